@@ -1,0 +1,206 @@
+"""The run config, ``control/orch.toml``, as a typed pydantic model.
+
+Unknown keys are rejected (a typo fails loudly) and every number has bounds. Load a file with
+:func:`load_orch_config` or a string with :func:`parse_orch_config`; both raise
+:class:`ConfigError`, whose message lists every problem as ``path: what is wrong``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used, with every problem listed."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LoraConfig(_Strict):
+    """The run's LoRA adapter."""
+
+    rank: int = Field(8, ge=1, le=256, description="LoRA rank r")
+    alpha: float = Field(
+        16.0, gt=0, le=4096, description="LoRA alpha; the update is scaled by alpha / rank"
+    )
+
+
+class ModelConfig(_Strict):
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+
+
+class OptimConfig(_Strict):
+    """AdamW and its schedule, per run."""
+
+    lr: float = Field(1e-3, gt=0, le=1.0, description="peak learning rate")
+    weight_decay: float = Field(0.0, ge=0, le=1.0)
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    eps: float = Field(1e-8, gt=0, le=1e-2)
+    max_grad_norm: float = Field(1.0, gt=0, le=1e6, description="per-run gradient clipping")
+    warmup_steps: int = Field(0, ge=0, le=1_000_000, description="linear warm-up from 0 to lr")
+    schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="decay after warm-up, to min_lr_ratio * lr at max_steps"
+    )
+    min_lr_ratio: float = Field(0.0, ge=0, le=1.0)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError("each beta must be in [0, 1)")
+        return v
+
+
+class LossConfig(_Strict):
+    """The importance-sampled policy loss (see services/trainer/loss.py)."""
+
+    mode: Literal["clip", "mask"] = Field(
+        "clip",
+        description="'clip': PPO-style clipped ratio; 'mask': drop tokens whose ratio leaves the bounds",
+    )
+    clip_low: float = Field(0.2, ge=0, le=1.0, description="lower bound is 1 - clip_low")
+    clip_high: float = Field(0.2, ge=0, le=100.0, description="upper bound is 1 + clip_high")
+    kl_coef: float = Field(
+        0.0, ge=0, le=100.0, description="weight of the KL term to the base model"
+    )
+    kl_estimator: Literal["k1", "k3"] = "k3"
+
+
+class SamplingConfig(_Strict):
+    temperature: float = Field(1.0, ge=0, le=10.0)
+    top_p: float = Field(1.0, gt=0, le=1.0)
+    max_tokens: int = Field(16, ge=1, le=32768, description="completion length limit")
+
+
+class AdvantageConfig(_Strict):
+    std_normalize: bool = Field(False, description="divide group-centred rewards by the group std")
+
+
+class CkptConfig(_Strict):
+    interval: int = Field(50, ge=1, le=1_000_000, description="checkpoint every this many steps")
+    keep: int = Field(2, ge=1, le=1000, description="complete checkpoints kept per run")
+
+
+class OrchConfig(_Strict):
+    """A run's config: ``{output_dir}/<run_id>/control/orch.toml``."""
+
+    env: str = Field(
+        "reverse",
+        min_length=1,
+        max_length=256,
+        description="built-in env or 'package.module:factory'",
+    )
+    env_args: dict[str, Any] = Field(
+        default_factory=dict, description="keyword arguments for the environment"
+    )
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    max_steps: int = Field(200, ge=1, le=10_000_000)
+    batch_size: int = Field(8, ge=1, le=4096, description="prompts per step")
+    group_size: int = Field(8, ge=1, le=1024, description="completions per prompt")
+    max_async_level: int = Field(
+        1, ge=0, le=64, description="how many steps generation may run ahead"
+    )
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    ckpt: CkptConfig = Field(default_factory=CkptConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as plain JSON-compatible data (what RunSubmitted.config carries)."""
+        return self.model_dump(mode="json")
+
+    def digest(self) -> str:
+        """A stable ``sha256:`` digest of the normalised config (defaults filled in)."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+        return "sha256:" + hashlib.sha256(blob).hexdigest()
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling; see schemas/config.py for the accepted keys)"
+        lines.append(f"{loc}: {msg}")
+    return "; ".join(lines)
+
+
+def orch_config_from_dict(data: dict[str, Any]) -> OrchConfig:
+    """Validate ``data`` as a run config; raise :class:`ConfigError` listing every problem."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"a run config is a table/object, got {type(data).__name__}")
+    try:
+        return OrchConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None
+
+
+def parse_orch_config(text: str) -> OrchConfig:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"invalid TOML: {exc}") from None
+    return orch_config_from_dict(data)
+
+
+def load_orch_config(path: str | Path) -> OrchConfig:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read {p}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p} is not UTF-8 text") from None
+    try:
+        return parse_orch_config(text)
+    except ConfigError as exc:
+        raise ConfigError(f"{p}: {exc}") from None
+
+
+def dump_toml(data: dict[str, Any]) -> str:
+    """Write a config dict as TOML (scalars and lists first, then tables, as TOML requires)."""
+    out: list[str] = []
+    _dump_table(data, [], out)
+    return "\n".join(out).lstrip("\n") + "\n"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return (
+            "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(x)}" for k, x in v.items()) + "}"
+        )
+    raise ConfigError(f"cannot write {type(v).__name__} to TOML")
+
+
+def _dump_table(data: dict[str, Any], path: list[str], out: list[str]) -> None:
+    scalars = {k: v for k, v in data.items() if not isinstance(v, dict) or not v or k == "env_args"}
+    tables = {k: v for k, v in data.items() if k not in scalars}
+    if path and scalars:
+        out.append("")
+        out.append("[" + ".".join(path) + "]")
+    for k, v in scalars.items():
+        if isinstance(v, dict) and not v:
+            out.append(f"{k} = {{}}")
+        else:
+            out.append(f"{k} = {_toml_value(v)}")
+    for k, v in tables.items():
+        _dump_table(v, [*path, k], out)

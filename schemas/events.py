@@ -1,0 +1,302 @@
+"""Every event plexrl puts on the bus.
+
+Each event is a frozen, keyword-only ``msgspec.Struct`` tagged by its ``type`` field with an
+explicit tag string, so renaming a class never changes the wire. Every event carries
+``schema_version``. Wire events tolerate unknown fields, so an old consumer keeps working when a
+producer adds one; new fields are added at the end, with defaults.
+
+The canonical encoding is JSON; MessagePack is accepted when the message says so with the
+header ``Content-Type: application/msgpack``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from schemas.run_id import RUN_ID_PATTERN
+
+SCHEMA_VERSION = 1
+"""The version this code writes. Readers accept every version listed in SUPPORTED_VERSIONS."""
+
+SUPPORTED_VERSIONS = (1,)
+
+RunId = Annotated[
+    str,
+    msgspec.Meta(
+        pattern=RUN_ID_PATTERN,
+        description="'run_' followed by 1-64 letters, digits, '_' or '-'",
+        examples=["run_abc123"],
+    ),
+]
+RunIndex = Annotated[
+    int, msgspec.Meta(ge=0, le=4095, description="the run's slot in the index pool")
+]
+Step = Annotated[int, msgspec.Meta(ge=0)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+TokenId = Annotated[int, msgspec.Meta(ge=0)]
+Digest = Annotated[str, msgspec.Meta(pattern=r"^sha256:[0-9a-f]{64}$")]
+ShortText = Annotated[str, msgspec.Meta(max_length=16384)]
+Transport = Literal["object_store", "filesystem", "ucx", "collective"]
+FinishReason = Literal["stop", "length"]
+
+
+class Event(
+    msgspec.Struct, frozen=True, kw_only=True, tag_field="type", forbid_unknown_fields=False
+):
+    """Base of every event: the ``type`` tag and the schema version it was written with."""
+
+    schema_version: Annotated[int, msgspec.Meta(ge=1)] = SCHEMA_VERSION
+
+
+# --- run lifecycle (stream PLEXRL_RUNS) ------------------------------------------------------
+
+
+class RunSubmitted(Event, frozen=True, kw_only=True, tag="run_submitted"):
+    """A client asks for a run.
+
+    Producer: any client (``plexrl submit``, ``plexrl orchestrator``, Node.js, curl...).
+    Consumer: registry, which validates ``config`` (the ``orch.toml`` content as an object),
+    writes ``{output_dir}/<run_id>/control/orch.toml`` and discovers the run.
+    Subject: ``plexrl.runs.submit``.
+    """
+
+    run_id: RunId
+    config: dict[str, Any]
+    submitted_by: str = ""
+
+
+class RunDiscovered(Event, frozen=True, kw_only=True, tag="run_discovered"):
+    """A run passed validation and holds index ``idx``.
+
+    Producer: registry. Consumers: the run mirror in trainer and inference; orchestrators.
+    Subject: ``plexrl.runs.discovered``.
+    """
+
+    run_id: RunId
+    idx: RunIndex
+    config: dict[str, Any]
+    config_digest: str = ""
+
+
+class RunConfigInvalid(Event, frozen=True, kw_only=True, tag="run_config_invalid"):
+    """A run's config was rejected; it holds no index until its config changes.
+
+    Producer: registry. Consumers: orchestrators, operators.
+    Subject: ``plexrl.runs.invalid``.
+    """
+
+    run_id: RunId
+    error: ShortText
+
+
+class EvictRequested(Event, frozen=True, kw_only=True, tag="evict_requested"):
+    """Someone asks the registry to evict a run.
+
+    Producers: trainer (bad data, divergence), ``plexrl evict``, any client.
+    Consumer: registry. Subject: ``plexrl.runs.evict``.
+    """
+
+    run_id: RunId
+    reason: ShortText
+    requested_by: str = ""
+
+
+class RunEvicted(Event, frozen=True, kw_only=True, tag="run_evicted"):
+    """A run was evicted: ``control/evicted.txt`` holds the reason and its index is free.
+
+    Producer: registry. Consumers: run mirrors (deletion hooks), the run's orchestrator (exits).
+    Subject: ``plexrl.runs.evicted``.
+    """
+
+    run_id: RunId
+    idx: RunIndex
+    reason: ShortText
+
+
+class RunForgotten(Event, frozen=True, kw_only=True, tag="run_forgotten"):
+    """A run's directory disappeared; its index is free.
+
+    Producer: registry. Consumers: run mirrors (deletion hooks), orchestrators.
+    Subject: ``plexrl.runs.forgotten``.
+    """
+
+    run_id: RunId
+    idx: RunIndex
+
+
+# --- rollouts (stream PLEXRL_ROLLOUTS) --------------------------------------------------------
+
+
+class Sample(msgspec.Struct, frozen=True, kw_only=True):
+    """One scored completion. ``completion_logprobs[i]`` is the sampling policy's log-probability
+    of ``completion_ids[i]``; the two lists have the same length."""
+
+    prompt_ids: list[TokenId]
+    completion_ids: list[TokenId]
+    completion_logprobs: list[float]
+    reward: float
+    advantage: float
+
+
+class RolloutBatch(Event, frozen=True, kw_only=True, tag="rollout_batch"):
+    """The samples of one step of one run.
+
+    Producer: the run's orchestrator. Consumer: trainer.
+    Subject: ``plexrl.rollouts.<run_id>``; message id ``<run_id>/step_<step>`` so a republished
+    step is deduplicated. ``policy_version`` is the oldest version that generated any sample.
+    """
+
+    run_id: RunId
+    step: Step
+    policy_version: NonNegInt
+    samples: list[Sample]
+
+
+# --- weights (stream PLEXRL_WEIGHTS) ----------------------------------------------------------
+
+
+class LoraSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """Shape of an adapter: its rank, alpha and the module names it targets."""
+
+    rank: Annotated[int, msgspec.Meta(ge=1, le=1024)]
+    alpha: Annotated[float, msgspec.Meta(gt=0)]
+    target_modules: list[str]
+
+
+class WeightsReady(Event, frozen=True, kw_only=True, tag="weights_ready"):
+    """A run's adapter after ``step`` optimizer steps (policy version ``step``) is ready.
+
+    Producer: trainer. Consumer: inference (loads it), orchestrators (version bookkeeping).
+    Subject: ``plexrl.weights.<run_id>``. ``location`` is read according to ``transport``: an
+    object-store key ``<run_id>/step_<n>``, a PEFT directory, a UCX address or a collective
+    group name. ``digest`` is ``sha256:<hex>`` of the stored safetensors bytes.
+    """
+
+    run_id: RunId
+    idx: RunIndex
+    step: Step
+    transport: Transport
+    location: str
+    digest: Digest
+    size_bytes: NonNegInt
+    lora: LoraSpec
+
+
+# --- generation (request/reply, queue group ``inference``) ------------------------------------
+
+
+class GenerateRequest(Event, frozen=True, kw_only=True, tag="generate_request"):
+    """Completions for ``prompts`` under ``run_id``'s adapter, ``n`` per prompt.
+
+    Producer: orchestrator (or any client). Consumer: an inference replica.
+    Subject: ``plexrl.inference.generate`` (request/reply). The reply is a GenerateResponse
+    generated with a policy version ``>= min_policy_version``, or an error.
+    """
+
+    request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    run_id: RunId
+    prompts: Annotated[list[list[TokenId]], msgspec.Meta(min_length=1)]
+    n: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 16
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    min_policy_version: NonNegInt = 0
+    seed: int | None = None
+    timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 30.0
+
+
+class Completion(msgspec.Struct, frozen=True, kw_only=True):
+    """One sampled completion: token ids, the log-probability of each under the distribution it
+    was sampled from, and why it ended."""
+
+    token_ids: list[TokenId]
+    logprobs: list[float]
+    finish_reason: FinishReason
+
+
+class GenerateResponse(Event, frozen=True, kw_only=True, tag="generate_response"):
+    """The reply to a GenerateRequest.
+
+    Producer: inference. Consumer: the requester.
+    ``completions[i]`` holds the ``n`` completions of ``prompts[i]``. On failure ``completions``
+    is empty and ``error`` says why.
+    """
+
+    request_id: str
+    run_id: str
+    policy_version: NonNegInt
+    completions: list[list[Completion]]
+    error: str | None = None
+
+
+# --- errors (stream PLEXRL_ERRORS) ------------------------------------------------------------
+
+
+class InvalidMessage(Event, frozen=True, kw_only=True, tag="invalid_message"):
+    """A message a service could not decode or validate. It was terminated, not redelivered.
+
+    Producer: any service, on ``plexrl.errors.<service>``. Consumers: operators, dashboards.
+    ``leading_bytes`` holds the first bytes of the payload (base64 in JSON).
+    """
+
+    service: str
+    subject: str
+    error: ShortText
+    leading_bytes: bytes = b""
+
+
+class ServiceError(Event, frozen=True, kw_only=True, tag="service_error"):
+    """A failure a service reports without crashing: a weight blob that fails its digest, a
+    run that cannot be served.
+
+    Producer: any service, on ``plexrl.errors.<service>``. Consumers: operators, dashboards.
+    """
+
+    service: str
+    error: ShortText
+    run_id: str | None = None
+    context: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+ALL_EVENTS: tuple[type[Event], ...] = (
+    RunSubmitted,
+    RunDiscovered,
+    RunConfigInvalid,
+    EvictRequested,
+    RunEvicted,
+    RunForgotten,
+    RolloutBatch,
+    WeightsReady,
+    GenerateRequest,
+    GenerateResponse,
+    InvalidMessage,
+    ServiceError,
+)
+
+AnyEvent = (
+    RunSubmitted
+    | RunDiscovered
+    | RunConfigInvalid
+    | EvictRequested
+    | RunEvicted
+    | RunForgotten
+    | RolloutBatch
+    | WeightsReady
+    | GenerateRequest
+    | GenerateResponse
+    | InvalidMessage
+    | ServiceError
+)
+
+RunEvent = (
+    RunSubmitted | RunDiscovered | RunConfigInvalid | EvictRequested | RunEvicted | RunForgotten
+)
+
+
+def event_tag(cls: type[Event]) -> str:
+    """The wire ``type`` string of an event class."""
+    tag = cls.__struct_config__.tag
+    assert isinstance(tag, str)
+    return tag
