@@ -49,7 +49,9 @@ def _msgpack_decoder(target: Any) -> msgspec.msgpack.Decoder[Any]:
 
 
 def is_msgpack(content_type_header: str | None) -> bool:
-    return bool(content_type_header) and content_type_header.split(";")[0].strip().lower() in (
+    if not content_type_header:
+        return False
+    return content_type_header.split(";")[0].strip().lower() in (
         MSGPACK,
         "application/x-msgpack",
         "application/vnd.msgpack",
@@ -65,7 +67,7 @@ def decode(
     """
     try:
         if is_msgpack(content_type_header):
-            return cast(T, _msgpack_decoder(target).decode(data))
-        return cast(T, _json_decoder(target).decode(data))
+            return cast(T, _msgpack_decoder(cast(Any, target)).decode(data))
+        return cast(T, _json_decoder(cast(Any, target)).decode(data))
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise DecodeError(str(exc)) from exc
