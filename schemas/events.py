@@ -22,10 +22,16 @@ SCHEMA_VERSION = 1
 
 SUPPORTED_VERSIONS = (1,)
 
+# msgspec (like Python's jsonschema) applies a pattern with re.search, where "$" also matches just
+# before a final newline: "run_a\n" would pass. The lookahead (here and in Digest) rules that out;
+# in ECMA-262, the dialect of JSON Schema, "$" is already the end of the input and the lookahead
+# changes nothing.
+_RUN_ID_WIRE_PATTERN = RUN_ID_PATTERN.removesuffix("$") + r"(?!\n)$"
+
 RunId = Annotated[
     str,
     msgspec.Meta(
-        pattern=RUN_ID_PATTERN,
+        pattern=_RUN_ID_WIRE_PATTERN,
         description="'run_' followed by 1-64 letters, digits, '_' or '-'",
         examples=["run_abc123"],
     ),
@@ -36,7 +42,7 @@ RunIndex = Annotated[
 Step = Annotated[int, msgspec.Meta(ge=0)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 TokenId = Annotated[int, msgspec.Meta(ge=0)]
-Digest = Annotated[str, msgspec.Meta(pattern=r"^sha256:[0-9a-f]{64}$")]
+Digest = Annotated[str, msgspec.Meta(pattern=r"^sha256:[0-9a-f]{64}(?!\n)$")]
 ShortText = Annotated[str, msgspec.Meta(max_length=16384)]
 Transport = Literal["object_store", "filesystem", "ucx", "collective"]
 FinishReason = Literal["stop", "length"]

@@ -1,0 +1,298 @@
+"""Where each event travels: subjects, streams, buckets and the object store, stated once.
+
+The bus layer creates streams and subscriptions from these names, publishers compute subjects
+with the functions below, and ``schemas/asyncapi.yaml`` is generated from :data:`CHANNELS`, so
+the table in DESIGN.md ("Subjects, streams and buckets") has exactly one copy in code.
+
+Every variable subject token is checked before it reaches a subject: a run id with
+:func:`schemas.run_id.validate_run_id`, a service name with the same character set, so no dot,
+wildcard or whitespace can widen a subscription or split a token.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from schemas.events import (
+    Event,
+    EvictRequested,
+    GenerateRequest,
+    GenerateResponse,
+    InvalidMessage,
+    RolloutBatch,
+    RunConfigInvalid,
+    RunDiscovered,
+    RunEvicted,
+    RunForgotten,
+    RunSubmitted,
+    ServiceError,
+    WeightsReady,
+)
+from schemas.run_id import validate_run_id
+
+# --- streams ---------------------------------------------------------------------------------
+
+RUNS_STREAM = "PLEXRL_RUNS"
+ROLLOUTS_STREAM = "PLEXRL_ROLLOUTS"
+WEIGHTS_STREAM = "PLEXRL_WEIGHTS"
+ERRORS_STREAM = "PLEXRL_ERRORS"
+
+RUNS_WILDCARD = "plexrl.runs.>"
+ROLLOUTS_WILDCARD = "plexrl.rollouts.>"
+WEIGHTS_WILDCARD = "plexrl.weights.>"
+ERRORS_WILDCARD = "plexrl.errors.>"
+
+
+@dataclass(frozen=True)
+class Stream:
+    """A JetStream stream: its name, the subjects it captures and what it holds."""
+
+    name: str
+    subjects: tuple[str, ...]
+    description: str
+
+
+STREAMS: tuple[Stream, ...] = (
+    Stream(RUNS_STREAM, (RUNS_WILDCARD,), "run lifecycle events"),
+    Stream(ROLLOUTS_STREAM, (ROLLOUTS_WILDCARD,), "rollout batches, one message per run step"),
+    Stream(WEIGHTS_STREAM, (WEIGHTS_WILDCARD,), "WeightsReady announcements"),
+    Stream(ERRORS_STREAM, (ERRORS_WILDCARD,), "invalid messages and service errors"),
+)
+
+# --- fixed subjects --------------------------------------------------------------------------
+
+SUBMIT = "plexrl.runs.submit"
+DISCOVERED = "plexrl.runs.discovered"
+INVALID = "plexrl.runs.invalid"
+EVICT = "plexrl.runs.evict"
+EVICTED = "plexrl.runs.evicted"
+FORGOTTEN = "plexrl.runs.forgotten"
+GENERATE = "plexrl.inference.generate"
+INFERENCE_QUEUE_GROUP = "inference"
+
+_ROLLOUTS_PREFIX = "plexrl.rollouts."
+_WEIGHTS_PREFIX = "plexrl.weights."
+_ERRORS_PREFIX = "plexrl.errors."
+
+# --- key-value buckets and object store ------------------------------------------------------
+
+KV_REGISTRY = "plexrl-registry"
+KV_PROGRESS = "plexrl-progress"
+OBJECT_STORE_WEIGHTS = "plexrl-weights"
+
+KV_BUCKETS: dict[str, str] = {
+    KV_REGISTRY: "run table: run_id -> {idx, status, config digest}",
+    KV_PROGRESS: "per run: step, total_tokens, total_samples",
+}
+OBJECT_STORES: dict[str, str] = {
+    OBJECT_STORE_WEIGHTS: "adapter weights (safetensors, PEFT key names), key <run_id>/step_<n>",
+}
+
+# --- variable subjects -----------------------------------------------------------------------
+
+SERVICE_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+_SERVICE_NAME_RE = re.compile(SERVICE_NAME_PATTERN)
+
+
+def validate_service_name(service: object) -> str:
+    """Return ``service`` if it can be one subject token, else raise ``ValueError``."""
+    if not isinstance(service, str) or _SERVICE_NAME_RE.fullmatch(service) is None:
+        raise ValueError(
+            f"illegal service name {service!r}: a service name is 1-64 letters, digits, '_' or '-'"
+        )
+    return service
+
+
+def rollouts_subject(run_id: str) -> str:
+    """``plexrl.rollouts.<run_id>``: where a run's RolloutBatch events go."""
+    return _ROLLOUTS_PREFIX + validate_run_id(run_id)
+
+
+def weights_subject(run_id: str) -> str:
+    """``plexrl.weights.<run_id>``: where a run's WeightsReady events go."""
+    return _WEIGHTS_PREFIX + validate_run_id(run_id)
+
+
+def errors_subject(service: str) -> str:
+    """``plexrl.errors.<service>``: where a service reports InvalidMessage and ServiceError."""
+    return _ERRORS_PREFIX + validate_service_name(service)
+
+
+def run_id_from_subject(subject: str) -> str:
+    """The run id that ends a rollouts or weights subject; ``ValueError`` for any other."""
+    for prefix in (_ROLLOUTS_PREFIX, _WEIGHTS_PREFIX):
+        if subject.startswith(prefix):
+            return validate_run_id(subject.removeprefix(prefix))
+    raise ValueError(
+        f"{subject!r} is not a per-run subject ({ROLLOUTS_WILDCARD}, {WEIGHTS_WILDCARD})"
+    )
+
+
+def rollout_msg_id(run_id: str, step: int) -> str:
+    """The ``Nats-Msg-Id`` of a RolloutBatch, so that a republished step is deduplicated."""
+    return f"{validate_run_id(run_id)}/step_{_step(step)}"
+
+
+def weights_object_key(run_id: str, step: int) -> str:
+    """The key of a run's adapter after ``step`` optimizer steps in ``plexrl-weights``."""
+    return f"{validate_run_id(run_id)}/step_{_step(step)}"
+
+
+def _step(step: int) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"a step is a non-negative integer, got {step!r}")
+    return step
+
+
+_FIXED_SUBJECTS: dict[type[Event], str] = {
+    RunSubmitted: SUBMIT,
+    RunDiscovered: DISCOVERED,
+    RunConfigInvalid: INVALID,
+    EvictRequested: EVICT,
+    RunEvicted: EVICTED,
+    RunForgotten: FORGOTTEN,
+    GenerateRequest: GENERATE,
+}
+
+
+def subject_for(event: Event) -> str:
+    """The subject ``event`` is published on.
+
+    A GenerateResponse has none: it goes to the requester's reply inbox.
+    """
+    match event:
+        case RolloutBatch(run_id=run_id):
+            return rollouts_subject(run_id)
+        case WeightsReady(run_id=run_id):
+            return weights_subject(run_id)
+        case InvalidMessage(service=service) | ServiceError(service=service):
+            return errors_subject(service)
+        case GenerateResponse():
+            raise ValueError("a GenerateResponse goes to the request's reply subject")
+    try:
+        return _FIXED_SUBJECTS[type(event)]
+    except KeyError:
+        raise ValueError(f"no subject for {type(event).__name__}") from None
+
+
+# --- the channel table -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Channel:
+    """One row of DESIGN.md's subject table, as the AsyncAPI document describes it.
+
+    ``address`` writes a variable token as ``{run_id}`` or ``{service}`` (AsyncAPI's form).
+    ``stream`` is None for core-NATS request/reply, whose ``reply`` lists the answer's events.
+    """
+
+    id: str
+    address: str
+    stream: str | None
+    messages: tuple[type[Event], ...]
+    producers: str
+    consumers: str
+    summary: str
+    reply: tuple[type[Event], ...] = ()
+    queue_group: str | None = None
+
+    @property
+    def parameters(self) -> tuple[str, ...]:
+        return tuple(re.findall(r"\{(\w+)\}", self.address))
+
+
+CHANNELS: tuple[Channel, ...] = (
+    Channel(
+        "runs_submit",
+        SUBMIT,
+        RUNS_STREAM,
+        (RunSubmitted,),
+        producers="any client: plexrl submit, an orchestrator, Node.js, curl",
+        consumers="registry",
+        summary="a client asks for a run",
+    ),
+    Channel(
+        "runs_discovered",
+        DISCOVERED,
+        RUNS_STREAM,
+        (RunDiscovered,),
+        producers="registry",
+        consumers="trainer and inference run mirrors, orchestrators",
+        summary="a run passed validation and holds an index",
+    ),
+    Channel(
+        "runs_invalid",
+        INVALID,
+        RUNS_STREAM,
+        (RunConfigInvalid,),
+        producers="registry",
+        consumers="orchestrators, operators",
+        summary="a run's config was rejected",
+    ),
+    Channel(
+        "runs_evict",
+        EVICT,
+        RUNS_STREAM,
+        (EvictRequested,),
+        producers="trainer (bad data, divergence), plexrl evict, any client",
+        consumers="registry",
+        summary="someone asks the registry to evict a run",
+    ),
+    Channel(
+        "runs_evicted",
+        EVICTED,
+        RUNS_STREAM,
+        (RunEvicted,),
+        producers="registry",
+        consumers="run mirrors (deletion hooks), the run's orchestrator",
+        summary="a run was evicted and its index is free",
+    ),
+    Channel(
+        "runs_forgotten",
+        FORGOTTEN,
+        RUNS_STREAM,
+        (RunForgotten,),
+        producers="registry",
+        consumers="run mirrors (deletion hooks), orchestrators",
+        summary="a run's directory disappeared and its index is free",
+    ),
+    Channel(
+        "rollouts",
+        _ROLLOUTS_PREFIX + "{run_id}",
+        ROLLOUTS_STREAM,
+        (RolloutBatch,),
+        producers="the run's orchestrator",
+        consumers="trainer",
+        summary="the samples of one step of one run",
+    ),
+    Channel(
+        "weights",
+        _WEIGHTS_PREFIX + "{run_id}",
+        WEIGHTS_STREAM,
+        (WeightsReady,),
+        producers="trainer",
+        consumers="inference (loads the adapter), orchestrators",
+        summary="a run's adapter after a number of optimizer steps is ready",
+    ),
+    Channel(
+        "inference_generate",
+        GENERATE,
+        None,
+        (GenerateRequest,),
+        producers="orchestrators, any client",
+        consumers="inference replicas",
+        summary="completions with per-token log-probabilities under a run's adapter",
+        reply=(GenerateResponse,),
+        queue_group=INFERENCE_QUEUE_GROUP,
+    ),
+    Channel(
+        "errors",
+        _ERRORS_PREFIX + "{service}",
+        ERRORS_STREAM,
+        (InvalidMessage, ServiceError),
+        producers="any service",
+        consumers="operators, dashboards",
+        summary="messages a service rejected and failures it survived",
+    ),
+)

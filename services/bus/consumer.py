@@ -1,0 +1,218 @@
+"""A typed, durable JetStream pull consumer.
+
+Each message is decoded into the expected event type inside a span whose parent is the
+publisher's trace. Then, at this one boundary, the verdict:
+
+- the payload does not decode or validate -> ``term`` (never redelivered) and an
+  ``InvalidMessage`` on ``plexrl.errors.<service>``;
+- the handler raises :class:`Reject` -> the same;
+- the handler raises :class:`Retry` or any other exception -> ``nak`` with a delay;
+- the handler returns -> ``ack`` (waiting for the server's confirmation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from nats.aio.msg import Msg
+from nats.errors import ConnectionClosedError
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import api
+from nats.js.client import JetStreamContext
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+
+from schemas.codec import DecodeError, decode
+from services.bus import tracing
+from services.bus.bus import Bus
+from services.bus.errors import Reject, Retry
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+Handler = Callable[[T, "Delivery"], Awaitable[None]]
+
+
+@dataclass
+class Delivery:
+    """One received message: where it came from and how to settle it."""
+
+    msg: Msg
+    subject: str
+    headers: dict[str, str]
+    stream_sequence: int
+    num_delivered: int
+    context: otel_context.Context = field(default_factory=otel_context.Context)
+
+    async def ack(self) -> None:
+        await self.msg.ack_sync()
+
+    async def nak(self, delay: float | None = None) -> None:
+        await self.msg.nak(delay=delay)
+
+    async def term(self) -> None:
+        await self.msg.term()
+
+    async def in_progress(self) -> None:
+        """Reset the ack timer while a long piece of work (a training step) holds the message."""
+        await self.msg.in_progress()
+
+
+def _delivery(msg: Msg) -> Delivery:
+    headers = dict(msg.headers or {})
+    seq, delivered = 0, 1
+    try:
+        md = msg.metadata
+        seq = md.sequence.stream if md.sequence else 0
+        delivered = md.num_delivered or 1
+    except Exception:  # a non-JetStream message has no metadata
+        pass
+    return Delivery(msg, msg.subject, headers, seq, delivered, tracing.extract(headers))
+
+
+class Consumer(Generic[T]):
+    """A durable pull consumer on ``stream`` filtered to ``filter_subject``, decoding ``event_type``."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        *,
+        stream: str,
+        durable: str | None,
+        filter_subject: str,
+        event_type: Any,
+        ack_wait: float = 60.0,
+        max_deliver: int = -1,
+        deliver_policy: api.DeliverPolicy = api.DeliverPolicy.ALL,
+        batch: int = 32,
+        fetch_timeout: float = 0.5,
+        max_ack_pending: int = 1000,
+    ) -> None:
+        self.bus = bus
+        self.stream = stream
+        self.durable = durable
+        self.filter_subject = filter_subject
+        self.event_type = event_type
+        self.batch = batch
+        self.fetch_timeout = fetch_timeout
+        self.config = api.ConsumerConfig(
+            durable_name=durable,
+            ack_policy=api.AckPolicy.EXPLICIT,
+            ack_wait=ack_wait,
+            max_deliver=max_deliver,
+            deliver_policy=deliver_policy,
+            filter_subject=filter_subject,
+            max_ack_pending=max_ack_pending,
+        )
+        self._sub: JetStreamContext.PullSubscription | None = None
+        self._tracer = tracing.tracer(f"plexrl.{bus.service}")
+
+    async def start(self) -> Consumer[T]:
+        if self._sub is None:
+            self._sub = await self.bus.js.pull_subscribe(
+                self.filter_subject, durable=self.durable, stream=self.stream, config=self.config
+            )
+        return self
+
+    async def close(self) -> None:
+        """Unsubscribe (before draining the connection, which would otherwise wait)."""
+        sub, self._sub = self._sub, None
+        if sub is not None and not self.bus.nc.is_closed:
+            try:
+                await sub.unsubscribe()
+            except Exception as exc:
+                log.debug("unsubscribe failed: %s", exc)
+
+    async def _fetch_raw(self, batch: int, timeout: float) -> list[Msg]:
+        if self._sub is None:
+            await self.start()
+        assert self._sub is not None
+        try:
+            return await self._sub.fetch(batch, timeout=timeout)
+        except (TimeoutError, NatsTimeout):
+            return []  # nothing pending: nats-py raises on an empty fetch
+
+    async def _decode_or_reject(self, msg: Msg, delivery: Delivery) -> T | None:
+        try:
+            return decode(msg.data, self.event_type, delivery.headers.get("Content-Type"))
+        except DecodeError as exc:
+            await msg.term()
+            await self.bus.report_invalid(msg.subject, str(exc), msg.data)
+            return None
+
+    async def fetch(
+        self, batch: int | None = None, timeout: float | None = None
+    ) -> list[tuple[T, Delivery]]:
+        """Fetch up to ``batch`` messages and decode them; the caller acks each when done.
+
+        Messages that do not decode are terminated and reported here and never returned.
+        """
+        out: list[tuple[T, Delivery]] = []
+        for msg in await self._fetch_raw(
+            batch or self.batch, self.fetch_timeout if timeout is None else timeout
+        ):
+            delivery = _delivery(msg)
+            event = await self._decode_or_reject(msg, delivery)
+            if event is not None:
+                out.append((event, delivery))
+        return out
+
+    async def handle(self, msg: Msg, handler: Handler[T]) -> None:
+        delivery = _delivery(msg)
+        remote = trace.get_current_span(delivery.context).get_span_context()
+        with self._tracer.start_as_current_span(
+            f"handle {msg.subject}",
+            context=delivery.context,
+            kind=SpanKind.CONSUMER,
+            links=[Link(remote)] if remote.is_valid else None,
+            attributes={
+                "messaging.destination": msg.subject,
+                "messaging.delivery": delivery.num_delivered,
+            },
+        ) as span:
+            event = await self._decode_or_reject(msg, delivery)
+            if event is None:
+                span.set_status(Status(StatusCode.ERROR, "invalid message"))
+                return
+            try:
+                await handler(event, delivery)
+            except Reject as exc:
+                span.set_status(Status(StatusCode.ERROR, str(exc)))
+                await msg.term()
+                await self.bus.report_invalid(msg.subject, str(exc), msg.data)
+                return
+            except Retry as exc:
+                log.info(
+                    "%s: retrying %s in %.1fs: %s", self.bus.service, msg.subject, exc.delay, exc
+                )
+                await msg.nak(delay=exc.delay)
+                return
+            except Exception as exc:
+                span.record_exception(exc)
+                span.set_status(Status(StatusCode.ERROR, str(exc)))
+                log.exception(
+                    "%s: handler failed on %s; will redeliver", self.bus.service, msg.subject
+                )
+                await msg.nak(delay=min(30.0, 0.5 * delivery.num_delivered))
+                return
+            await msg.ack_sync()
+
+    async def run(self, handler: Handler[T], stop: asyncio.Event) -> None:
+        """Fetch and handle messages until ``stop`` is set."""
+        await self.start()
+        while not stop.is_set():
+            try:
+                msgs = await self._fetch_raw(self.batch, self.fetch_timeout)
+            except ConnectionClosedError:
+                break
+            except Exception as exc:  # reconnecting: the next fetch will work again
+                log.debug("%s: fetch failed: %s", self.bus.service, exc)
+                await asyncio.sleep(0.2)
+                continue
+            for msg in msgs:
+                await self.handle(msg, handler)

@@ -1,0 +1,80 @@
+"""Resolve a run's ``env`` setting to an :class:`~.base.Environment`.
+
+``env`` names a built-in (``reverse``, ``copy``, ``add``) or a plugin as
+``package.module:factory``. A factory is called as ``factory(seed=seed, **env_args)`` and must
+return an Environment; a class deriving from Environment is a factory.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from services.orchestrator.envs.arithmetic import AddEnv
+from services.orchestrator.envs.base import Environment
+from services.orchestrator.envs.strings import CopyEnv, ReverseEnv
+
+EnvFactory = Callable[..., Environment]
+
+BUILTIN_ENVS: dict[str, EnvFactory] = {
+    "reverse": ReverseEnv,
+    "copy": CopyEnv,
+    "add": AddEnv,
+}
+
+
+class EnvLoadError(ValueError):
+    """An ``env`` setting that does not give an environment; the message says what to change."""
+
+
+def load_environment(spec: str, seed: int, **env_args: Any) -> Environment:
+    """The environment named by ``spec``, built with ``seed`` and ``env_args``."""
+    factory = BUILTIN_ENVS.get(spec) or _import_factory(spec)
+    try:
+        env = factory(seed=seed, **env_args)
+    except (TypeError, ValueError) as exc:
+        raise EnvLoadError(
+            f"environment {spec!r} rejected seed={seed} env_args={env_args}: {exc}"
+        ) from exc
+    if not isinstance(env, Environment):
+        raise EnvLoadError(
+            f"environment factory {spec!r} returned {type(env).__name__}, not an Environment; "
+            "return an instance of a subclass of services.orchestrator.envs.Environment"
+        )
+    if not isinstance(getattr(env, "name", None), str) or not env.name:
+        raise EnvLoadError(
+            f"environment {spec!r} has no name; set the class attribute 'name' to a non-empty str"
+        )
+    return env
+
+
+def _import_factory(spec: str) -> EnvFactory:
+    builtins = ", ".join(sorted(BUILTIN_ENVS))
+    module_name, sep, attr = spec.partition(":")
+    if not sep:
+        raise EnvLoadError(
+            f"unknown environment {spec!r}: use a built-in ({builtins}) "
+            "or a plugin as 'package.module:factory'"
+        )
+    if not module_name or not attr:
+        raise EnvLoadError(
+            f"environment {spec!r} is not of the form 'package.module:factory' "
+            f"(built-ins: {builtins})"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise EnvLoadError(
+            f"environment {spec!r}: cannot import module {module_name!r} ({exc}); "
+            "check the name and that its package is installed or on PYTHONPATH"
+        ) from exc
+    factory = getattr(module, attr, None)
+    if factory is None:
+        raise EnvLoadError(f"environment {spec!r}: module {module_name!r} has no {attr!r}")
+    if not callable(factory):
+        raise EnvLoadError(
+            f"environment {spec!r}: {module_name}.{attr} is a {type(factory).__name__}, "
+            "not a callable factory"
+        )
+    return factory  # type: ignore[no-any-return]

@@ -1,0 +1,53 @@
+"""String tasks: reverse a word, copy a word.
+
+Both score by position accuracy (see :func:`~.base.position_accuracy`): ``reverse: abcd=``
+answered ``dcbx`` earns 0.75, ``dcbaaa`` earns 4/6. A model that copies instead of reversing
+earns little on ``reverse`` (only the middle letter of an odd-length word, and repeated
+letters), so a reverse run and a copy run visibly learn different things. A random model
+emits a long string of arbitrary characters and scores close to 0.
+"""
+
+from __future__ import annotations
+
+import string
+
+from services.orchestrator.envs.base import Environment, Prompt, answer_of, position_accuracy
+
+
+class _WordTask(Environment):
+    def __init__(self, seed: int = 0, *, min_len: int = 3, max_len: int = 5) -> None:
+        if not 1 <= min_len <= max_len:
+            raise ValueError(
+                f"need 1 <= min_len <= max_len, got min_len={min_len} max_len={max_len}"
+            )
+        super().__init__(seed)
+        self.min_len = min_len
+        self.max_len = max_len
+
+    def _word(self, index: int) -> str:
+        rng = self.rng(index)
+        length = rng.randint(self.min_len, self.max_len)
+        return "".join(rng.choice(string.ascii_lowercase) for _ in range(length))
+
+    def score(self, prompt: Prompt, completion_text: str) -> float:
+        return position_accuracy(answer_of(completion_text), prompt.target)
+
+
+class ReverseEnv(_WordTask):
+    """``reverse: abcd=`` -> ``dcba``, words of ``min_len``..``max_len`` lowercase letters."""
+
+    name = "reverse"
+
+    def prompt(self, index: int) -> Prompt:
+        word = self._word(index)
+        return Prompt(text=f"reverse: {word}=", target=word[::-1])
+
+
+class CopyEnv(_WordTask):
+    """``copy: abcd=`` -> ``abcd``, words of ``min_len``..``max_len`` lowercase letters."""
+
+    name = "copy"
+
+    def prompt(self, index: int) -> Prompt:
+        word = self._word(index)
+        return Prompt(text=f"copy: {word}=", target=word)

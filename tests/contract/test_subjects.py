@@ -1,0 +1,112 @@
+"""Subjects, streams and buckets: the one table in schemas/subjects.py matches DESIGN.md, every
+subject an event is published on is captured by its stream, and variable tokens are checked."""
+
+from __future__ import annotations
+
+import pytest
+
+from schemas import subjects
+from schemas.codec import decode
+from schemas.events import ALL_EVENTS, Event, GenerateResponse, event_tag
+
+from .vectors import Example, examples
+
+
+def _captured_by(subject: str, wildcard: str) -> bool:
+    """NATS subject matching: '*' is one token, '>' one or more trailing tokens."""
+    s, w = subject.split("."), wildcard.split(".")
+    for i, token in enumerate(w):
+        if token == ">":
+            return len(s) > i
+        if i >= len(s) or token not in ("*", s[i]):
+            return False
+    return len(s) == len(w)
+
+
+def test_names_are_the_public_ones() -> None:
+    assert [s.name for s in subjects.STREAMS] == [
+        "PLEXRL_RUNS",
+        "PLEXRL_ROLLOUTS",
+        "PLEXRL_WEIGHTS",
+        "PLEXRL_ERRORS",
+    ]
+    assert (subjects.SUBMIT, subjects.DISCOVERED, subjects.INVALID) == (
+        "plexrl.runs.submit",
+        "plexrl.runs.discovered",
+        "plexrl.runs.invalid",
+    )
+    assert (subjects.EVICT, subjects.EVICTED, subjects.FORGOTTEN) == (
+        "plexrl.runs.evict",
+        "plexrl.runs.evicted",
+        "plexrl.runs.forgotten",
+    )
+    assert subjects.GENERATE == "plexrl.inference.generate"
+    assert subjects.INFERENCE_QUEUE_GROUP == "inference"
+    assert (subjects.KV_REGISTRY, subjects.KV_PROGRESS) == ("plexrl-registry", "plexrl-progress")
+    assert subjects.OBJECT_STORE_WEIGHTS == "plexrl-weights"
+    assert set(subjects.KV_BUCKETS) == {"plexrl-registry", "plexrl-progress"}
+
+
+def test_every_event_has_exactly_one_channel() -> None:
+    carried = [c for ch in subjects.CHANNELS for c in (*ch.messages, *ch.reply)]
+    assert sorted(carried, key=event_tag) == sorted(ALL_EVENTS, key=event_tag)
+
+
+@pytest.mark.parametrize("example", examples("valid", all_versions=False), ids=str)
+def test_each_event_is_published_where_its_stream_captures_it(example: Example) -> None:
+    event: Event = decode(example.raw, example.cls)
+    if isinstance(event, GenerateResponse):
+        with pytest.raises(ValueError, match="reply subject"):
+            subjects.subject_for(event)
+        return
+    subject = subjects.subject_for(event)
+    channel = next(ch for ch in subjects.CHANNELS if type(event) in ch.messages)
+    expected = channel.address.format(
+        run_id=getattr(event, "run_id", None), service=getattr(event, "service", None)
+    )
+    assert subject == expected
+    streams = [
+        s.name for s in subjects.STREAMS if any(_captured_by(subject, w) for w in s.subjects)
+    ]
+    assert streams == ([channel.stream] if channel.stream else [])
+
+
+def test_streams_do_not_overlap_and_generate_is_in_none() -> None:
+    wildcards = [w for s in subjects.STREAMS for w in s.subjects]
+    for ch in subjects.CHANNELS:
+        sample = ch.address.format(run_id="run_x", service="trainer")
+        assert sum(_captured_by(sample, w) for w in wildcards) == (1 if ch.stream else 0), sample
+
+
+def test_per_run_subjects_and_keys() -> None:
+    assert subjects.rollouts_subject("run_abc123") == "plexrl.rollouts.run_abc123"
+    assert subjects.weights_subject("run_abc123") == "plexrl.weights.run_abc123"
+    assert subjects.run_id_from_subject("plexrl.rollouts.run_abc123") == "run_abc123"
+    assert subjects.run_id_from_subject("plexrl.weights.run_x-1") == "run_x-1"
+    assert subjects.rollout_msg_id("run_abc123", 12) == "run_abc123/step_12"
+    assert subjects.weights_object_key("run_abc123", 13) == "run_abc123/step_13"
+
+
+@pytest.mark.parametrize(
+    "subject",
+    ["plexrl.runs.submit", "plexrl.rollouts.run_a.b", "plexrl.rollouts.*", "plexrl.errors.trainer"],
+)
+def test_run_id_from_subject_rejects_anything_but_a_per_run_subject(subject: str) -> None:
+    with pytest.raises(ValueError):
+        subjects.run_id_from_subject(subject)
+
+
+@pytest.mark.parametrize("step", [-1, True, 1.0, "3"], ids=repr)
+def test_steps_in_keys_are_non_negative_integers(step: object) -> None:
+    with pytest.raises(ValueError, match="non-negative integer"):
+        subjects.weights_object_key("run_a", step)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="non-negative integer"):
+        subjects.rollout_msg_id("run_a", step)  # type: ignore[arg-type]
+
+
+def test_errors_subject_takes_one_token_service_names() -> None:
+    assert subjects.errors_subject("trainer") == "plexrl.errors.trainer"
+    assert subjects.errors_subject("orchestrator-run_abc") == "plexrl.errors.orchestrator-run_abc"
+    for bad in ("", "a.b", "*", ">", "a b", "x" * 65):
+        with pytest.raises(ValueError, match="illegal service name"):
+            subjects.errors_subject(bad)
