@@ -1,0 +1,10 @@
+"""The language model shared by the trainer and the inference services.
+
+- ``tiny``: writes the default tiny Llama with a character tokenizer (``plexrl model tiny DIR``).
+- ``loader``: loads any Hugging Face causal LM from a local directory, plus token helpers.
+- ``lora``: the multi-adapter LoRA layer, one adapter slot per run.
+- ``peft_io``: adapters as safetensors bytes and as PEFT directories.
+
+This package imports nothing heavy on its own so that ``plexrl --help`` stays instant; import
+the submodule you need.
+"""
