@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
-            if exc.name == name:  # that command is not part of this build yet
+            missing = exc.name or ""
+            if name == missing or name.startswith(missing + "."):  # not part of this build
                 continue
             raise
         module.register(sub)

@@ -1,0 +1,226 @@
+"""Publish a run's adapter after an optimizer step: store it, announce it, drop old versions.
+
+The trainer calls :meth:`WeightPublisher.publish` once per run and step. The adapter is
+serialised as safetensors with PEFT key names and stored by the configured transport:
+
+- ``object_store``: key ``<run_id>/step_<n>`` in ``plexrl-weights``;
+- ``filesystem``: ``{output_dir}/<run_id>/broadcast/step_<n>/``, a PEFT directory written
+  atomically, which vLLM and PEFT load as it is.
+
+Then a WeightsReady event goes to ``plexrl.weights.<run_id>`` (message id
+``<run_id>/weights/step_<n>``), carrying the sha256 digest and size of the stored safetensors
+bytes. Only then are versions older than the newest ``keep_last`` removed, so neither the disk nor
+the store grows with the number of steps, and the version just announced is never among them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+import nats.errors
+from torch import Tensor
+
+from schemas.events import LoraSpec, WeightsReady
+from schemas.subjects import weights_object_key, weights_subject
+from services.bus import Bus
+from services.model.peft_io import (
+    ADAPTER_WEIGHTS,
+    adapter_to_bytes,
+    sha256_digest,
+    write_peft_dir,
+)
+from services.weights.object_store import BlobError, delete_blob, list_keys, write_blob
+
+log = logging.getLogger(__name__)
+
+PublishTransport = Literal["object_store", "filesystem"]
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_NO_DIGEST = "sha256:" + "0" * 64
+
+
+class WeightPublisher:
+    """Stores and announces the adapters of every run on one trainer."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        output_dir: Path,
+        transport: PublishTransport = "object_store",
+        keep_last: int = 3,
+    ) -> None:
+        if transport not in ("object_store", "filesystem"):
+            raise ValueError(
+                f"weight transport {transport!r} cannot be published by this build: use "
+                "'object_store' or 'filesystem'"
+            )
+        if keep_last < 1:
+            raise ValueError(
+                f"keep_last must be at least 1 (the version announced), got {keep_last}"
+            )
+        self.bus = bus
+        # Absolute, because the location goes to other processes with other working directories.
+        self.output_dir = Path(output_dir).absolute()
+        self.transport: PublishTransport = transport
+        self.keep_last = keep_last
+        # Steps of each run that are stored now, found once per run and kept up to date here.
+        self._stored: dict[str, set[int]] = {}
+
+    async def publish(
+        self,
+        run_id: str,
+        idx: int,
+        step: int,
+        state_dict: Mapping[str, Tensor],
+        lora: LoraSpec,
+        base_model_path: str = "",
+    ) -> WeightsReady:
+        """Store ``state_dict`` as ``run_id``'s adapter at ``step``, announce it, return the event.
+
+        The tensors are copied before the first ``await``, so the caller may go on training the
+        adapter while it is being stored.
+        """
+        announced = WeightsReady(
+            run_id=run_id,
+            idx=idx,
+            step=step,
+            transport=self.transport,
+            location="",
+            digest=_NO_DIGEST,
+            size_bytes=0,
+            lora=lora,
+        )
+        _check_schema(announced)
+        snapshot = {k: t.detach().to("cpu", copy=True) for k, t in state_dict.items()}
+        stored = await self._stored_steps(run_id)
+        if self.transport == "object_store":
+            location, digest, size = await self._put_object(run_id, step, snapshot)
+        else:
+            location, digest, size = await self._write_dir(
+                run_id, step, snapshot, lora, base_model_path
+            )
+        stored.add(step)
+        event = msgspec.structs.replace(
+            announced, location=location, digest=digest, size_bytes=size
+        )
+        # The digest is part of the id: a retried publish of the same bytes is dropped, but a
+        # step re-trained after a restart (new bytes under the same key) is announced again.
+        ack = await self.bus.publish(
+            weights_subject(run_id), event, msg_id=f"{run_id}/weights/step_{step}/{digest[7:23]}"
+        )
+        if ack.duplicate:
+            log.info("%s step %d: WeightsReady already announced", run_id, step)
+        await self._collect_garbage(run_id, step, stored)
+        return event
+
+    async def _put_object(
+        self, run_id: str, step: int, snapshot: dict[str, Tensor]
+    ) -> tuple[str, str, int]:
+        data, digest = await asyncio.to_thread(_serialise, snapshot)
+        key = weights_object_key(run_id, step)
+        await write_blob(self.bus, key, data, digest)
+        return key, digest, len(data)
+
+    async def _write_dir(
+        self,
+        run_id: str,
+        step: int,
+        snapshot: dict[str, Tensor],
+        lora: LoraSpec,
+        base_model_path: str,
+    ) -> tuple[str, str, int]:
+        path = self._broadcast_dir(run_id) / f"step_{step}"
+
+        def write() -> tuple[str, int]:
+            write_peft_dir(
+                path, snapshot, lora.rank, lora.alpha, lora.target_modules, base_model_path
+            )
+            # The digest covers the file as written, read back, rather than a second
+            # serialisation that is only assumed to produce the same bytes.
+            data = (path / ADAPTER_WEIGHTS).read_bytes()
+            return sha256_digest(data), len(data)
+
+        digest, size = await asyncio.to_thread(write)
+        return str(path), digest, size
+
+    def _broadcast_dir(self, run_id: str) -> Path:
+        return self.output_dir / run_id / "broadcast"
+
+    async def _stored_steps(self, run_id: str) -> set[int]:
+        """The steps of ``run_id`` in the store, listed once, e.g. left by an earlier trainer."""
+        stored = self._stored.get(run_id)
+        if stored is None:
+            if self.transport == "object_store":
+                stored = await self._listed_objects(run_id)
+            else:
+                stored = self._listed_dirs(run_id)
+            self._stored[run_id] = stored
+        return stored
+
+    async def _listed_objects(self, run_id: str) -> set[int]:
+        prefix = f"{run_id}/step_"
+        return {
+            int(key.removeprefix(prefix))
+            for key in await list_keys(self.bus)
+            if key.startswith(prefix) and key.removeprefix(prefix).isdigit()
+        }
+
+    def _listed_dirs(self, run_id: str) -> set[int]:
+        root = self._broadcast_dir(run_id)
+        if not root.is_dir():
+            return set()
+        return {
+            int(m.group(1))
+            for entry in root.iterdir()
+            if entry.is_dir() and (m := _STEP_DIR.match(entry.name))
+        }
+
+    async def _collect_garbage(self, run_id: str, current: int, stored: set[int]) -> None:
+        """Remove all but the newest ``keep_last`` versions up to ``current``.
+
+        Steps above ``current`` (left by a trainer that got further before it restarted from an
+        older checkpoint) are kept: publishing those steps again replaces them.
+        """
+        older = sorted(s for s in stored if s < current)
+        doomed = older[: max(0, len(older) - (self.keep_last - 1))]
+        for step in doomed:
+            try:
+                if self.transport == "object_store":
+                    await delete_blob(self.bus, weights_object_key(run_id, step))
+                else:
+                    await asyncio.to_thread(
+                        _remove_dir, self._broadcast_dir(run_id) / f"step_{step}"
+                    )
+            except (OSError, BlobError, nats.errors.Error) as exc:
+                # The new version is announced already; a version that could not be removed
+                # stays listed and is tried again after the next step.
+                log.warning("%s: could not remove weights of step %d: %s", run_id, step, exc)
+                continue
+            stored.discard(step)
+
+
+def _check_schema(event: WeightsReady) -> None:
+    """Raise ValueError now for what every consumer would reject on decoding the event (a run
+    id, index or step out of range, a rank of 0), before anything is stored."""
+    try:
+        msgspec.json.decode(msgspec.json.encode(event), type=WeightsReady)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"cannot announce weights for {event.run_id!r}: {exc}") from None
+
+
+def _serialise(snapshot: dict[str, Tensor]) -> tuple[bytes, str]:
+    data = adapter_to_bytes(snapshot)
+    return data, sha256_digest(data)
+
+
+def _remove_dir(path: Path) -> None:
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:  # already gone is what was wanted
+        pass
