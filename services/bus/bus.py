@@ -56,6 +56,7 @@ class Bus:
         self.service = service
         self.fmt: Format = fmt
         self.invalid_count = 0
+        self._closing = False
         self._tracer = tracing.tracer(f"plexrl.{service}")
 
     @classmethod
@@ -84,8 +85,11 @@ class Bus:
         async def _on_error(exc: Exception) -> None:
             log.debug("%s: NATS connection error: %s", service, exc)
 
+        closing: list[Bus] = []  # filled below; a deliberate close is not worth a warning
+
         async def _on_disconnect() -> None:
-            log.warning("%s: disconnected from NATS, reconnecting", service)
+            if not (closing and closing[0]._closing):
+                log.warning("%s: disconnected from NATS, reconnecting", service)
 
         async def _on_reconnect() -> None:
             log.info("%s: reconnected to NATS", service)
@@ -108,6 +112,7 @@ class Bus:
                 f"cannot reach NATS at {url} ({exc.__class__.__name__}: {exc}). {advice}"
             ) from None
         bus = cls(nc, service, fmt)
+        closing.append(bus)
         if provision_streams:
             await provision(bus.js)
         return bus
@@ -116,6 +121,7 @@ class Bus:
         """Flush and close. Callers unsubscribe their pull subscriptions first (drain would wait)."""
         if self.nc.is_closed:
             return
+        self._closing = True
         try:
             await asyncio.wait_for(self.nc.flush(), timeout=2.0)
         except (TimeoutError, NatsTimeout, ConnectionClosedError):

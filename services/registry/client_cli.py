@@ -1,0 +1,269 @@
+"""``plexrl submit``, ``plexrl evict`` and ``plexrl runs``: the registry's clients.
+
+``submit`` checks the run id and the config locally first (a clear message and exit status 2
+for a mistake), then publishes RunSubmitted; with ``--wait`` it also waits for the registry's
+answer. ``evict`` publishes EvictRequested. ``runs`` prints the run table from KV
+``plexrl-registry`` joined with the progress in KV ``plexrl-progress``.
+
+Every command exits with status 1 and says where it looked when NATS cannot be reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import getpass
+import json
+import socket
+import sys
+import time
+import uuid
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+from services.config.loader import DEFAULT_NATS_URL
+
+
+def _nats_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--nats-url",
+        default=None,
+        help=f"NATS server (env PLEXRL_NATS_URL, default {DEFAULT_NATS_URL})",
+    )
+
+
+def register(subparsers: Any) -> None:
+    submit = subparsers.add_parser(
+        "submit",
+        help="ask the registry for a run (publish RunSubmitted)",
+        description="Check RUN_ID and CONFIG.toml locally, then publish a RunSubmitted event.",
+    )
+    submit.add_argument("run_id", metavar="RUN_ID", help="'run_' + 1-64 letters, digits, _ or -")
+    submit.add_argument("config", type=Path, metavar="CONFIG.toml", help="the run's orch.toml")
+    submit.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="wait up to SECONDS for the registry to accept or reject the run",
+    )
+    _nats_arg(submit)
+    submit.set_defaults(func=lambda args: _run(args, _submit))
+
+    evict = subparsers.add_parser(
+        "evict",
+        help="ask the registry to evict a run (publish EvictRequested)",
+        description="Publish an EvictRequested event; the registry writes control/evicted.txt.",
+    )
+    evict.add_argument("run_id", metavar="RUN_ID")
+    evict.add_argument("--reason", required=True, help="why (written to control/evicted.txt)")
+    _nats_arg(evict)
+    evict.set_defaults(func=lambda args: _run(args, _evict))
+
+    runs = subparsers.add_parser(
+        "runs",
+        help="show the run table: id, index, status, step, tokens, samples",
+        description="The registry's run table (KV plexrl-registry) with each run's progress.",
+    )
+    runs.add_argument("--all", action="store_true", help="include forgotten runs")
+    runs.add_argument("--json", action="store_true", help="one JSON object per line")
+    _nats_arg(runs)
+    runs.set_defaults(func=lambda args: _run(args, _runs))
+
+
+def _run(
+    args: argparse.Namespace, command: Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
+) -> int:
+    import logging
+
+    from services.bus import BusUnavailable
+
+    # a short-lived client: the bus's "disconnected, reconnecting" notice at close is noise here
+    logging.getLogger("services.bus.bus").setLevel(logging.ERROR)
+    try:
+        return asyncio.run(command(args))
+    except BusUnavailable as exc:
+        print(f"plexrl {args.command}: {exc}", file=sys.stderr)
+        return 1
+
+
+async def _connect(args: argparse.Namespace) -> Any:
+    from services.bus import Bus
+    from services.config.loader import nats_url
+
+    return await Bus.connect(nats_url(args), "cli")
+
+
+# --- submit -----------------------------------------------------------------------------------
+
+
+async def _submit(args: argparse.Namespace) -> int:
+    from schemas import subjects as sj
+    from schemas.config import ConfigError, load_orch_config
+    from schemas.events import RunSubmitted
+    from schemas.run_id import InvalidRunId, validate_run_id
+
+    try:
+        run_id = validate_run_id(args.run_id)
+        config = load_orch_config(args.config)
+    except (InvalidRunId, ConfigError) as exc:
+        print(f"plexrl submit: {exc}", file=sys.stderr)
+        return 2
+    digest = config.digest()
+    bus = await _connect(args)
+    try:
+        answers: asyncio.Queue[Any] = asyncio.Queue()
+        subs = []
+        if args.wait > 0:  # subscribe before publishing, so no answer can slip past
+            for subject in (sj.INVALID, "plexrl.errors.>"):
+                subs.append(await bus.nc.subscribe(subject, cb=answers.put))
+        event = RunSubmitted(
+            run_id=run_id,
+            config=config.to_dict(),
+            submitted_by=f"plexrl submit ({getpass.getuser()}@{socket.gethostname()})",
+        )
+        ack = await bus.publish(sj.SUBMIT, event, msg_id=f"{run_id}/submit/{uuid.uuid4().hex}")
+        print(f"submitted {run_id} (config {digest}, stream sequence {ack.seq})")
+        if args.wait > 0:
+            return await _await_answer(bus, run_id, digest, answers, args.wait)
+        print("follow it with `plexrl runs`")
+        return 0
+    finally:
+        await bus.close()
+
+
+async def _await_answer(
+    bus: Any, run_id: str, digest: str, answers: asyncio.Queue[Any], wait: float
+) -> int:
+    """Poll the run table and watch for a rejection until the registry has answered."""
+    from schemas.codec import DecodeError, decode
+    from schemas.events import RunConfigInvalid, ServiceError
+    from schemas.subjects import KV_REGISTRY
+    from services.registry.table import decode_record
+
+    kv = await bus.js.key_value(KV_REGISTRY)
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        try:
+            entry = await kv.get(run_id)
+            rec = decode_record(entry.value) if entry.value else None
+        except Exception:  # no record yet
+            rec = None
+        if rec is not None and rec.config_digest == digest:
+            if rec.status == "active":
+                print(f"{run_id} is running with index {rec.idx}")
+                return 0
+            if rec.status == "waiting":
+                print(f"{run_id} is waiting for a free index")
+                return 0
+        while not answers.empty():
+            msg = answers.get_nowait()
+            try:
+                ev: Any = decode(msg.data, RunConfigInvalid | ServiceError)
+            except DecodeError:
+                continue
+            if ev.run_id == run_id:
+                print(f"plexrl submit: the registry rejected {run_id}: {ev.error}", file=sys.stderr)
+                return 1
+        await asyncio.sleep(0.1)
+    print(f"plexrl submit: no answer about {run_id} within {wait}s; is a registry running?")
+    return 1
+
+
+# --- evict ------------------------------------------------------------------------------------
+
+
+async def _evict(args: argparse.Namespace) -> int:
+    from schemas import subjects as sj
+    from schemas.events import EvictRequested
+    from schemas.run_id import InvalidRunId, validate_run_id
+    from services.registry.table import read_table
+
+    try:
+        run_id = validate_run_id(args.run_id)
+    except InvalidRunId as exc:
+        print(f"plexrl evict: {exc}", file=sys.stderr)
+        return 2
+    bus = await _connect(args)
+    try:
+        records = await read_table(await bus.js.key_value(sj.KV_REGISTRY))
+        event = EvictRequested(
+            run_id=run_id, reason=args.reason[:16000], requested_by="plexrl evict"
+        )
+        await bus.publish(sj.EVICT, event, msg_id=f"{run_id}/evict/{uuid.uuid4().hex}")
+    finally:
+        await bus.close()
+    print(f"asked the registry to evict {run_id}: {args.reason}")
+    record = records.get(run_id)
+    if record is None or record.status in ("evicted", "forgotten"):
+        # sent anyway: the registry may find the directory the table does not list yet
+        state = record.status if record else "not in the run table"
+        print(f"note: {run_id} is {state}; see `plexrl runs`", file=sys.stderr)
+    return 0
+
+
+# --- runs -------------------------------------------------------------------------------------
+
+_ORDER = {"active": 0, "waiting": 1, "invalid": 2, "evicted": 3, "forgotten": 4}
+
+
+async def _runs(args: argparse.Namespace) -> int:
+    from schemas.subjects import KV_REGISTRY
+    from services.registry.progress import read_progress
+    from services.registry.table import read_table
+
+    bus = await _connect(args)
+    try:
+        records = await read_table(await bus.js.key_value(KV_REGISTRY))
+        shown = [r for r in records.values() if args.all or r.status != "forgotten"]
+        shown.sort(
+            key=lambda r: (_ORDER.get(r.status, 9), -1 if r.idx is None else r.idx, r.run_id)
+        )
+        rows = []
+        for rec in shown:
+            progress = await read_progress(bus, rec.run_id)
+            rows.append(
+                {
+                    "run_id": rec.run_id,
+                    "idx": rec.idx,
+                    "status": rec.status,
+                    "step": progress.step if progress else None,
+                    "total_tokens": progress.total_tokens if progress else None,
+                    "total_samples": progress.total_samples if progress else None,
+                    "reward_mean": progress.reward_mean if progress else None,
+                    "detail": rec.error or rec.reason,
+                }
+            )
+    finally:
+        await bus.close()
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        return 0
+    _print_table(rows)
+    return 0
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def cell(v: Any, fmt: str = "{}") -> str:
+        return "-" if v is None else fmt.format(v)
+
+    table = Table(title=f"plexrl runs ({len(rows)})")
+    for name in ("id", "idx", "status", "step", "tokens", "samples", "reward", "detail"):
+        table.add_column(name, justify="right" if name in ("idx", "step", "tokens") else "left")
+    for r in rows:
+        table.add_row(
+            r["run_id"],
+            cell(r["idx"]),
+            r["status"],
+            cell(r["step"]),
+            cell(r["total_tokens"], "{:,}"),
+            cell(r["total_samples"], "{:,}"),
+            cell(r["reward_mean"], "{:.3f}"),
+            (r["detail"] or "")[:60],
+        )
+    Console().print(table)

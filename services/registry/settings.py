@@ -1,0 +1,75 @@
+"""The registry's settings: one pydantic model, loaded by :func:`services.config.load_settings`.
+
+Precedence, lowest first: defaults, ``--config FILE`` (TOML), ``PLEXRL_<FIELD>`` environment
+variables (``PLEXRL_OUTPUT_DIR``, ``PLEXRL_MAX_RUNS``, ``PLEXRL_VALIDATION_HOOKS`` as a
+comma-separated list...), then command-line flags.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,48}$")
+
+
+class RegistrySettings(BaseModel):
+    """Everything ``plexrl registry`` can be told."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    output_dir: Path = Field(
+        Path("outputs"), description="where run directories live: {output_dir}/run_*/"
+    )
+    max_runs: int = Field(
+        4, ge=1, le=4096, description="size of the index pool (the trainer's adapter slots)"
+    )
+    scan_interval: float = Field(
+        5.0, gt=0, le=3600, description="seconds between two scans of output_dir"
+    )
+    validation_hooks: list[str] = Field(
+        default_factory=list,
+        description="extra config checks as 'module:function', called with the OrchConfig and "
+        "returning (ok, message)",
+    )
+    max_lora_rank: int = Field(
+        256, ge=1, le=1024, description="largest LoRA rank a run may ask for"
+    )
+    max_async_level: int = Field(
+        64, ge=0, le=64, description="largest max_async_level a run may ask for"
+    )
+    consumer_name: str = Field(
+        "registry",
+        description="prefix of the durable consumers on plexrl.runs.submit / .evict; one per "
+        "registry deployment",
+    )
+    service: str = Field(
+        "registry", description="service name: errors go to plexrl.errors.<service>"
+    )
+
+    @field_validator("validation_hooks", mode="before")
+    @classmethod
+    def _split_hooks(cls, v: Any) -> Any:
+        # PLEXRL_VALIDATION_HOOKS arrives as one string
+        if isinstance(v, str):
+            return [h for h in re.split(r"[,\s]+", v) if h]
+        return v
+
+    @field_validator("validation_hooks")
+    @classmethod
+    def _hook_form(cls, v: list[str]) -> list[str]:
+        for name in v:
+            module, sep, attr = name.partition(":")
+            if not sep or not module or not attr:
+                raise ValueError(f"{name!r} is not of the form 'module:function'")
+        return v
+
+    @field_validator("consumer_name", "service")
+    @classmethod
+    def _token(cls, v: str) -> str:
+        if not _NAME_RE.fullmatch(v):
+            raise ValueError(f"{v!r}: use 1-48 letters, digits, '_' or '-'")
+        return v

@@ -1,0 +1,127 @@
+"""``plexrl registry``, ``submit``, ``evict`` and ``runs``: exit codes, messages and output."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from services.bus import Bus, EmbeddedNats, free_port
+from services.cli import main
+from services.registry.progress import Progress, write_progress
+
+from .conftest import RegistryFactory
+from .helpers import VALID_TOML, eventually, table
+
+
+def _config(tmp_path: Path, text: str = VALID_TOML, name: str = "orch.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("run_id", ["run_a.b", "run_../x", "run_*", "", "run_" + "x" * 196])
+def test_submit_refuses_an_illegal_run_id_before_connecting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], run_id: str
+) -> None:
+    # no server at this address: the check must come first
+    url = f"nats://127.0.0.1:{free_port()}"
+    assert main(["submit", run_id, str(_config(tmp_path)), "--nats-url", url]) == 2
+    assert "illegal run id" in capsys.readouterr().err
+
+
+def test_submit_refuses_an_invalid_config_with_the_precise_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _config(tmp_path, 'envv = "reverse"\n[optim]\nlr = 5.0\n')
+    assert main(["submit", "run_ok", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "envv: unknown key" in err and "optim.lr: Input should be less than or equal to 1" in err
+    assert main(["submit", "run_ok", str(tmp_path / "missing.toml")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["submit", "run_a", "CONFIG"],
+        ["evict", "run_a", "--reason", "r"],
+        ["runs"],
+        ["registry", "--output-dir", "OUT", "--max-runs", "2"],
+    ],
+    ids=["submit", "evict", "runs", "registry"],
+)
+def test_every_command_says_when_nats_is_unreachable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    port = free_port()
+    argv = [str(_config(tmp_path)) if a == "CONFIG" else a for a in argv]
+    argv = [str(tmp_path / "out") if a == "OUT" else a for a in argv]
+    assert main([*argv, "--nats-url", f"nats://127.0.0.1:{port}"]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot reach NATS at nats://127.0.0.1:{port}" in err and "PLEXRL_NATS_URL" in err
+
+
+def test_registry_settings_errors_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["registry", "--output-dir", str(tmp_path), "--max-runs", "0"]) == 2
+    assert "max_runs: Input should be greater than or equal to 1" in capsys.readouterr().err
+    argv = ["registry", "--output-dir", str(tmp_path), "--validation-hook", "nope_mod:check"]
+    assert main(argv) == 2
+    assert "cannot import 'nope_mod'" in capsys.readouterr().err
+
+
+async def test_submit_wait_runs_and_evict_against_a_registry(
+    make_registry: RegistryFactory,
+    server: EmbeddedNats,
+    rbus: Bus,
+    tmp_path: Path,
+    out: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    await make_registry(max_lora_rank=16)
+    nats = ["--nats-url", server.url]
+
+    def cli(*argv: str) -> asyncio.Future[int]:
+        # in a thread: the command runs its own event loop while ours serves the registry
+        return asyncio.ensure_future(asyncio.to_thread(main, [*argv, *nats]))
+
+    assert await cli("submit", "run_cli", str(_config(tmp_path)), "--wait", "10") == 0
+    assert "run_cli is running with index 0" in capsys.readouterr().out
+
+    big = _config(tmp_path, VALID_TOML.replace("rank = 8", "rank = 32"), "big.toml")
+    assert await cli("submit", "run_big", str(big), "--wait", "10") == 1
+    assert "rejected run_big: model.lora.rank: 32 is above" in capsys.readouterr().err
+
+    await write_progress(rbus, "run_cli", Progress(step=4, total_tokens=1234, total_samples=64))
+    assert await cli("runs") == 0
+    shown = capsys.readouterr().out
+    assert "run_cli" in shown and "active" in shown and "1,234" in shown
+    assert await cli("runs", "--json") == 0
+    [row] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert row == {
+        "run_id": "run_cli",
+        "idx": 0,
+        "status": "active",
+        "step": 4,
+        "total_tokens": 1234,
+        "total_samples": 64,
+        "reward_mean": None,
+        "detail": "",
+    }
+
+    assert await cli("evict", "run_cli", "--reason", "finished early") == 0
+    await eventually(lambda: _status(rbus, "run_cli", "evicted"))
+    assert (out / "run_cli" / "control" / "evicted.txt").read_text() == "finished early\n"
+    assert capsys.readouterr().out == "asked the registry to evict run_cli: finished early\n"
+
+    assert await cli("evict", "run_ghost", "--reason", "typo") == 0
+    assert "note: run_ghost is not in the run table" in capsys.readouterr().err
+
+
+async def _status(bus: Bus, run_id: str, status: str) -> bool:
+    records = await table(bus)
+    return run_id in records and records[run_id].status == status

@@ -1,0 +1,213 @@
+"""The run mirror: buffered events, hook order, replay, progress and eviction requests."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from schemas import subjects as sj
+from schemas.config import OrchConfig
+from schemas.events import EvictRequested, RunDiscovered, RunEvicted, RunForgotten, RunSubmitted
+from services.bus import Bus
+from services.registry.mirror import RunMirror
+from services.registry.progress import Progress, read_progress, write_progress
+
+from .conftest import RegistryFactory
+from .helpers import events_on, eventually, write_orch
+
+CONFIG = OrchConfig(env="copy", max_steps=7)
+
+
+@pytest.fixture
+async def mirror(rbus: Bus) -> AsyncIterator[RunMirror]:
+    m = RunMirror(rbus, max_runs=4, service="trainer")
+    await m.start()
+    yield m
+    await m.stop()
+
+
+def record_hooks(mirror: RunMirror) -> list[tuple[str, int, str]]:
+    calls: list[tuple[str, int, str]] = []
+    mirror.register_forgotten_hook(lambda i, r: calls.append(("forgotten", i, r)))
+    mirror.register_deletion_hook(lambda i, r: calls.append(("deletion", i, r)))
+    mirror.register_discovered_hook(lambda i, r, c: calls.append(("discovered", i, r)))
+    mirror.register_creation_hook(lambda i, r: calls.append(("creation", i, r)))
+    return calls
+
+
+async def discovered(bus: Bus, run_id: str, idx: int, config: OrchConfig = CONFIG) -> None:
+    event = RunDiscovered(
+        run_id=run_id, idx=idx, config=config.to_dict(), config_digest=config.digest()
+    )
+    await bus.publish(sj.DISCOVERED, event)
+
+
+async def test_events_are_buffered_until_synchronize_state(rbus: Bus, mirror: RunMirror) -> None:
+    seen: list[tuple[int, str, OrchConfig]] = []
+    mirror.register_discovered_hook(lambda i, r, c: seen.append((i, r, c)))
+    await discovered(rbus, "run_a", 2)
+    await rbus.publish(sj.SUBMIT, RunSubmitted(run_id="run_zz", config={}))  # not lifecycle
+    await mirror.wait_until_caught_up()
+    assert mirror.runs == {} and mirror.num_buffered == 1 and seen == []
+    assert await mirror.synchronize_state() == 1
+    [(idx, info)] = mirror.runs.items()
+    assert (idx, info.run_id, info.idx, info.config, info.config_digest) == (
+        2,
+        "run_a",
+        2,
+        CONFIG,
+        CONFIG.digest(),
+    )
+    assert seen == [(2, "run_a", CONFIG)]
+    assert (mirror.idx_of("run_a"), mirror.run_id_of(2), mirror.config(2)) == (2, "run_a", CONFIG)
+    assert mirror.idx_of("run_zz") is None and mirror.run_id_of(0) is None
+    with pytest.raises(KeyError, match="no run holds index 0"):
+        mirror.config(0)
+    assert await mirror.synchronize_state() == 0
+
+
+async def test_every_deletion_hook_runs_before_any_creation_hook(
+    rbus: Bus, mirror: RunMirror
+) -> None:
+    await discovered(rbus, "run_a", 0)
+    await discovered(rbus, "run_b", 1)
+    await mirror.wait_until_caught_up()
+    await mirror.synchronize_state()
+    calls = record_hooks(mirror)
+    await rbus.publish(sj.EVICTED, RunEvicted(run_id="run_a", idx=0, reason="diverged"))
+    await discovered(rbus, "run_c", 0)
+    await rbus.publish(sj.FORGOTTEN, RunForgotten(run_id="run_b", idx=1))
+    await discovered(rbus, "run_d", 1)
+    await mirror.wait_until_caught_up()
+    assert await mirror.synchronize_state() == 4
+    assert calls == [
+        ("forgotten", 0, "run_a"),
+        ("forgotten", 1, "run_b"),
+        ("deletion", 0, "run_a"),
+        ("deletion", 1, "run_b"),
+        ("discovered", 0, "run_c"),
+        ("discovered", 1, "run_d"),
+        ("creation", 0, "run_c"),
+        ("creation", 1, "run_d"),
+    ]
+    assert {i: r.run_id for i, r in mirror.runs.items()} == {0: "run_c", 1: "run_d"}
+
+
+async def test_a_rediscovered_run_is_deleted_then_created(rbus: Bus, mirror: RunMirror) -> None:
+    await discovered(rbus, "run_a", 0)
+    await mirror.wait_until_caught_up()
+    await mirror.synchronize_state()
+    calls = record_hooks(mirror)
+    # evicted and back (same id, same index, same config) within one call
+    await rbus.publish(sj.EVICTED, RunEvicted(run_id="run_a", idx=0, reason="r"))
+    await discovered(rbus, "run_a", 0)
+    await mirror.wait_until_caught_up()
+    await mirror.synchronize_state()
+    assert [c[0] for c in calls] == ["forgotten", "deletion", "discovered", "creation"]
+    # and across two calls
+    calls.clear()
+    await rbus.publish(sj.FORGOTTEN, RunForgotten(run_id="run_a", idx=0))
+    await mirror.wait_until_caught_up()
+    await mirror.synchronize_state()
+    await discovered(rbus, "run_a", 3)
+    await mirror.wait_until_caught_up()
+    await mirror.synchronize_state()
+    assert calls == [
+        ("forgotten", 0, "run_a"),
+        ("deletion", 0, "run_a"),
+        ("discovered", 3, "run_a"),
+        ("creation", 3, "run_a"),
+    ]
+
+
+async def test_unknown_indices_duplicates_and_short_lived_runs_get_no_hooks(
+    rbus: Bus, mirror: RunMirror
+) -> None:
+    await discovered(rbus, "run_a", 0)
+    await mirror.wait_until_caught_up()
+    await mirror.synchronize_state()
+    calls = record_hooks(mirror)
+    await rbus.publish(sj.EVICTED, RunEvicted(run_id="run_x", idx=3, reason="not held"))
+    await rbus.publish(sj.FORGOTTEN, RunForgotten(run_id="run_a", idx=1))  # wrong index
+    await discovered(rbus, "run_a", 0)  # the same announcement again
+    await discovered(rbus, "run_big", 9)  # beyond max_runs=4
+    await discovered(rbus, "run_blip", 2)  # comes and goes within one call
+    await rbus.publish(sj.EVICTED, RunEvicted(run_id="run_blip", idx=2, reason="r"))
+    await mirror.wait_until_caught_up()
+    assert await mirror.synchronize_state() == 6
+    assert calls == []
+    assert {i: r.run_id for i, r in mirror.runs.items()} == {0: "run_a"}
+
+
+async def test_a_late_mirror_replays_the_stream_to_the_same_state(
+    rbus: Bus, mirror: RunMirror
+) -> None:
+    await discovered(rbus, "run_a", 0)
+    await discovered(rbus, "run_b", 1)
+    await rbus.publish(sj.EVICTED, RunEvicted(run_id="run_a", idx=0, reason="r"))
+    await discovered(rbus, "run_c", 0)
+    await mirror.wait_until_caught_up()
+    await mirror.synchronize_state()
+    late = RunMirror(rbus, max_runs=4)
+    created: list[tuple[int, str]] = []
+    late.register_creation_hook(lambda i, r: created.append((i, r)))
+    await late.start()
+    try:
+        await late.wait_until_caught_up()
+        assert await late.synchronize_state() == 4
+        assert late.runs == mirror.runs
+        assert created == [(1, "run_b"), (0, "run_c")]
+    finally:
+        await late.stop()
+
+
+async def test_progress_round_trip_and_eviction_requests(rbus: Bus, mirror: RunMirror) -> None:
+    assert await read_progress(rbus, "run_a") is None
+    await write_progress(rbus, "run_a", Progress(step=3, total_tokens=120, total_samples=24))
+    await discovered(rbus, "run_a", 1)
+    await mirror.wait_until_caught_up()
+    await mirror.synchronize_state()
+    progress = await mirror.progress("run_a")
+    assert progress is not None
+    assert (progress.step, progress.total_tokens, progress.total_samples) == (3, 120, 24)
+    assert progress.updated_at > 0 and progress.reward_mean is None
+    raw = await (await rbus.js.key_value(sj.KV_PROGRESS)).get("run_a")
+    assert raw.value is not None and raw.value.startswith(b'{"step":3,"total_tokens":120')
+
+    await mirror.evict_run(1, "loss is NaN")
+    [request] = await events_on(rbus, sj.EVICT, EvictRequested)
+    assert (request.run_id, request.reason, request.requested_by) == (
+        "run_a",
+        "loss is NaN",
+        "trainer",
+    )
+    with pytest.raises(KeyError, match="no run holds it"):
+        await mirror.evict_run(0, "nobody there")
+
+
+async def test_mirror_follows_a_real_registry(
+    make_registry: RegistryFactory, rbus: Bus, mirror: RunMirror, out: Path
+) -> None:
+    for run_id in ("run_a", "run_b", "run_c"):
+        write_orch(out, run_id)
+    registry = await make_registry(max_runs=2)
+    created: list[tuple[int, str]] = []
+    deleted: list[tuple[int, str]] = []
+    mirror.register_creation_hook(lambda i, r: created.append((i, r)))
+    mirror.register_deletion_hook(lambda i, r: deleted.append((i, r)))
+    await mirror.wait_until_caught_up()
+    await mirror.synchronize_state()
+    assert created == [(0, "run_a"), (1, "run_b")]
+
+    await mirror.evict_run(0, "bad data")
+    await eventually(lambda: _has_index(registry.idx_of("run_c")))
+    await mirror.wait_until_caught_up()
+    await mirror.synchronize_state()
+    assert deleted == [(0, "run_a")] and created[-1] == (0, "run_c")
+    assert {i: r.run_id for i, r in mirror.runs.items()} == registry.pool.assigned
+
+
+async def _has_index(idx: int | None) -> bool:
+    return idx is not None
