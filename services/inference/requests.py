@@ -1,0 +1,102 @@
+"""The edges of a generate request: the checks it must pass, and the reply that answers it.
+
+Decoding already enforces the schema (types, bounds, the run-id pattern). What only this
+replica can judge is checked here: token ids inside the model's vocabulary, prompts that are
+not empty, and prompt plus completion within the model's context. A request that fails is
+malformed for this model: it gets an error reply and an InvalidMessage report.
+
+A reply goes to the request's reply subject in the request's own encoding (MessagePack when it
+came as MessagePack), with the trace context and the ``Plexrl-Replica`` header naming the
+replica that answered. A response too big for the server's ``max_payload`` becomes an error
+reply that says so.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import msgspec
+from nats.aio.client import Client as NATS
+
+from schemas.codec import Format, content_type, encode, is_msgpack
+from schemas.events import GenerateRequest, GenerateResponse
+from services.bus import tracing
+
+REPLICA_HEADER = "Plexrl-Replica"
+
+
+class RequestFailed(Exception):
+    """A request that cannot be served; the message is the error the reply carries."""
+
+
+def check_request(req: GenerateRequest, vocab_size: int, max_model_len: int) -> None:
+    """Raise :class:`RequestFailed` saying what is wrong with ``req`` for this model."""
+    for i, prompt in enumerate(req.prompts):
+        if not prompt:
+            raise RequestFailed(
+                f"prompts[{i}] is empty: a prompt needs at least one token (start it with <bos>)"
+            )
+        too_big = next((t for t in prompt if t >= vocab_size), None)
+        if too_big is not None:
+            raise RequestFailed(
+                f"prompts[{i}] holds token id {too_big}, outside the model's vocabulary of "
+                f"{vocab_size} tokens (ids 0..{vocab_size - 1}): was it tokenized for another "
+                "model?"
+            )
+        if len(prompt) + req.max_tokens > max_model_len:
+            raise RequestFailed(
+                f"prompts[{i}] has {len(prompt)} tokens; with max_tokens {req.max_tokens} it "
+                f"exceeds the model's context of {max_model_len} tokens"
+            )
+
+
+def request_seed(seed: int | None) -> int:
+    """The request's seed, or a fresh random one when it gave none."""
+    return secrets.randbits(63) if seed is None else seed
+
+
+def salvage_id(data: bytes) -> str:
+    """The ``request_id`` of a payload that did not validate, if one can be read; else ""."""
+    try:
+        raw = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        try:
+            raw = msgspec.msgpack.decode(data)
+        except msgspec.DecodeError:
+            return ""
+    request_id = raw.get("request_id") if isinstance(raw, dict) else None
+    if isinstance(request_id, str) and 0 < len(request_id) <= 256:
+        return request_id
+    return ""
+
+
+def failure(request_id: str, run_id: str, error: str) -> GenerateResponse:
+    """The error reply: no completions, and ``error`` saying why."""
+    return GenerateResponse(
+        request_id=request_id, run_id=run_id, policy_version=0, completions=[], error=error
+    )
+
+
+async def send_reply(
+    nc: NATS,
+    reply_subject: str,
+    response: GenerateResponse,
+    request_headers: dict[str, str],
+    replica_name: str,
+) -> None:
+    """Publish ``response`` to the requester's inbox, encoded as the request was."""
+    fmt: Format = "msgpack" if is_msgpack(request_headers.get("Content-Type")) else "json"
+    data = encode(response, fmt)
+    limit = nc.max_payload or 0
+    if limit and len(data) > limit:
+        data = encode(
+            failure(
+                response.request_id,
+                response.run_id,
+                f"the response is {len(data)} bytes, over the server's max_payload of {limit}: "
+                "ask for fewer prompts, completions or tokens per request",
+            ),
+            fmt,
+        )
+    headers = tracing.inject({"Content-Type": content_type(fmt), REPLICA_HEADER: replica_name})
+    await nc.publish(reply_subject, data, headers=headers)

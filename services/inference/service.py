@@ -1,0 +1,332 @@
+"""The inference service: GenerateRequest in, GenerateResponse out, one adapter per run.
+
+- Requests arrive on ``plexrl.inference.generate`` in queue group ``inference`` (core NATS
+  request/reply), so replicas share them; each reply carries the ``Plexrl-Replica`` header.
+- A :class:`~services.registry.mirror.RunMirror` keeps the engine's slots in step with the
+  registry: a run created gets a fresh adapter (policy version 0, the base model's behaviour), a
+  run removed is forgotten.
+- A :class:`WeightsFollower` loads each announced adapter and hands it to the engine. An adapter
+  announced for a run this replica does not know yet is held back (the newest per run) and loaded
+  when the run is created.
+- A request waits, up to its ``timeout_s``, until the engine can serve at least its
+  ``min_policy_version``; the reply says which version generated it. Anything wrong with a
+  request gets an error reply; a malformed one is also reported as InvalidMessage on
+  ``plexrl.errors.<service>``. Nothing a request holds can stop the service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from nats.aio.msg import Msg
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+
+from schemas import subjects as sj
+from schemas.codec import DecodeError, decode
+from schemas.events import GenerateRequest, GenerateResponse, WeightsReady
+from services.bus import Bus, tracing
+from services.inference.jobs import Engine, Job, JobResult, SlotChanged
+from services.inference.requests import (
+    RequestFailed,
+    check_request,
+    failure,
+    request_seed,
+    salvage_id,
+    send_reply,
+)
+from services.inference.weights_follower import WeightsFollower
+from services.registry.mirror import RunMirror
+
+log = logging.getLogger(__name__)
+
+SYNC_INTERVAL = 0.1
+"""Seconds between two applications of the run mirror's buffered lifecycle events."""
+
+
+class InferenceService:
+    """One inference replica: an engine, a run mirror, a weights follower and the request loop."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        engine: Engine,
+        *,
+        max_runs: int,
+        replica_name: str,
+        output_dir: Path | None = None,
+        weight_load_attempts: int = 2,
+        shutdown_grace: float = 30.0,
+    ) -> None:
+        self.bus = bus
+        self.engine = engine
+        self.replica_name = replica_name
+        self.shutdown_grace = shutdown_grace
+        self.mirror = RunMirror(bus, max_runs, service=bus.service)
+        self.follower = WeightsFollower(
+            bus,
+            wanted=self._wants,
+            install=self._install,
+            output_dir=output_dir,
+            attempts=weight_load_attempts,
+        )
+        self.served: Counter[str] = Counter()
+        """Requests answered with completions, per run."""
+        self.errors = 0
+        self.ignored_versions = 0
+        """Announced adapters not newer than what the run already had."""
+        self.installed_at: dict[tuple[str, int], float] = {}
+        """``time.monotonic()`` at which each (run, version) became available here."""
+        self._unservable: dict[str, str] = {}
+        self._held: dict[str, tuple[WeightsReady, dict[str, str]]] = {}
+        self._changed = asyncio.Event()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._sub: Any = None
+        self._sync_task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._tracer = tracing.tracer(f"plexrl.{bus.service}")
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.engine.set_listener(self._notify)
+        await self.engine.start()
+        self.mirror.register_deletion_hook(self._on_run_deleted)
+        self.mirror.register_creation_hook(self._on_run_created)
+        await self.mirror.start()
+        await self.mirror.wait_until_caught_up()
+        await self.mirror.synchronize_state()
+        self._sync_task = asyncio.create_task(self._sync_loop(), name="inference-mirror-sync")
+        await self.follower.start()
+        self._sub = await self.bus.nc.subscribe(
+            sj.GENERATE, queue=sj.INFERENCE_QUEUE_GROUP, cb=self._on_request
+        )
+        # Once the server has the subscription, a request sent after start() finds a responder.
+        await self.bus.nc.flush()
+        log.info("inference replica %s serving %s", self.replica_name, sj.GENERATE)
+
+    async def stop(self) -> None:
+        """Stop taking requests, let those in flight finish (up to the grace period), close.
+
+        Requests still waiting for a policy version are answered at once with an error, so their
+        senders can retry on another replica instead of waiting out their timeout.
+        """
+        self._stopping = True
+        self._notify()
+        sub, self._sub = self._sub, None
+        if sub is not None and not self.bus.nc.is_closed:
+            try:
+                await sub.unsubscribe()
+            except Exception as exc:
+                log.debug("unsubscribe failed: %s", exc)
+        if self._tasks:
+            _, pending = await asyncio.wait(set(self._tasks), timeout=self.shutdown_grace)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        if self._sync_task is not None:
+            self._sync_task.cancel()
+            await asyncio.gather(self._sync_task, return_exceptions=True)
+        await self.follower.stop()
+        await self.mirror.stop()
+        await self.engine.close()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.start()
+        try:
+            await stop.wait()
+        finally:
+            await self.stop()
+
+    def _notify(self) -> None:
+        """An available version changed: wake every waiting request to look again."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # --- runs --------------------------------------------------------------------------------
+
+    async def _sync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(SYNC_INTERVAL)
+            try:
+                await self.mirror.synchronize_state()
+            except Exception:  # a failing hook must not stop the mirror for good
+                log.exception("applying run lifecycle events failed")
+
+    def _on_run_created(self, idx: int, run_id: str) -> None:
+        lora = self.mirror.config(idx).model.lora
+        try:
+            self.engine.add_run(idx, run_id, lora.rank, lora.alpha)
+        except ValueError as exc:
+            self._unservable[run_id] = f"{run_id} cannot be served by this replica: {exc}"
+            self._spawn(self.bus.report_error(self._unservable[run_id], run_id=run_id, idx=idx))
+            return
+        self._unservable.pop(run_id, None)
+        held = self._held.pop(run_id, None)
+        if held is not None:
+            self.follower.submit(*held)
+
+    def _on_run_deleted(self, idx: int, run_id: str) -> None:
+        self.engine.remove_run(idx, run_id)
+        self._unservable.pop(run_id, None)
+        self._held.pop(run_id, None)
+
+    async def _slot_of(self, run_id: str) -> int | None:
+        """The run's slot; an unknown run makes the mirror catch up with the stream first."""
+        slot = self.mirror.idx_of(run_id)
+        if slot is None:
+            try:
+                await self.mirror.wait_until_caught_up(timeout=2.0)
+            except Exception as exc:  # an unreachable server: answer with what we know
+                log.debug("mirror catch-up failed: %s", exc)
+            await self.mirror.synchronize_state()
+            slot = self.mirror.idx_of(run_id)
+        return slot
+
+    # --- weights -----------------------------------------------------------------------------
+
+    def _wants(self, event: WeightsReady, headers: dict[str, str]) -> bool:
+        slot = self.mirror.idx_of(event.run_id)
+        if slot is None:
+            # Held with its headers, so the load joins the publisher's trace when it happens.
+            held = self._held.get(event.run_id)
+            if held is None or held[0].step < event.step:
+                self._held[event.run_id] = (event, headers)
+            return False
+        if event.run_id in self._unservable:
+            return False
+        version = self.engine.available_version(slot, event.run_id)
+        if version is not None and event.step <= version:
+            self.ignored_versions += 1
+            log.info("%s: version %d ignored, %d is loaded", event.run_id, event.step, version)
+            return False
+        return True
+
+    async def _install(self, event: WeightsReady, tensors: dict[str, Any]) -> None:
+        slot = self.mirror.idx_of(event.run_id)
+        if slot is None:  # removed while its adapter was loading
+            return
+        if await self.engine.load_adapter(slot, event, tensors):
+            if len(self.installed_at) >= 4096:  # a bounded record: forget the oldest half
+                for key in list(self.installed_at)[:2048]:
+                    del self.installed_at[key]
+            self.installed_at[(event.run_id, event.step)] = time.monotonic()
+        else:
+            self.ignored_versions += 1
+
+    # --- requests ----------------------------------------------------------------------------
+
+    async def _on_request(self, msg: Msg) -> None:
+        if not msg.reply:
+            await self.bus.report_invalid(
+                msg.subject, "a GenerateRequest needs a reply subject (use request/reply)", msg.data
+            )
+            return
+        # The subscription handles one message at a time: serve each in its own task.
+        self._spawn(self._serve(msg))
+
+    async def _serve(self, msg: Msg) -> None:
+        headers = dict(msg.headers or {})
+        with self._tracer.start_as_current_span(
+            "generate",
+            context=tracing.extract(headers),
+            kind=SpanKind.SERVER,
+            attributes={"messaging.destination": msg.subject, "replica": self.replica_name},
+        ) as span:
+            response = await self._answer(msg.data, headers, span)
+            if response.error is not None:
+                self.errors += 1
+                span.set_status(Status(StatusCode.ERROR, response.error))
+            await self._reply(msg, response, headers)
+
+    async def _answer(self, data: bytes, headers: dict[str, str], span: Span) -> GenerateResponse:
+        try:
+            req: GenerateRequest = decode(data, GenerateRequest, headers.get("Content-Type"))
+            check_request(req, self.engine.vocab_size, self.engine.max_model_len)
+        except (DecodeError, RequestFailed) as exc:
+            await self.bus.report_invalid(sj.GENERATE, str(exc), data)
+            return failure(salvage_id(data), "", f"invalid GenerateRequest: {exc}")
+        span.set_attribute("run_id", req.run_id)
+        span.set_attribute("request_id", req.request_id)
+        try:
+            slot, result = await self._generate(req)
+        except RequestFailed as exc:
+            return failure(req.request_id, req.run_id, str(exc))
+        except Exception as exc:  # a failing batch answers its requests, it never kills us
+            log.exception("generation failed for %s", req.request_id)
+            return failure(req.request_id, req.run_id, f"generation failed: {exc}")
+        self.served[req.run_id] += 1
+        span.set_attribute("idx", slot)
+        span.set_attribute("policy_version", result.policy_version)
+        span.set_attribute("tokens", result.num_tokens)
+        return GenerateResponse(
+            request_id=req.request_id,
+            run_id=req.run_id,
+            policy_version=result.policy_version,
+            completions=result.completions,
+        )
+
+    async def _generate(self, req: GenerateRequest) -> tuple[int, JobResult]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + req.timeout_s
+        seed = request_seed(req.seed)
+        while True:
+            changed = self._changed
+            if self._stopping:
+                raise RequestFailed(
+                    f"inference replica {self.replica_name} is shutting down; send the request "
+                    "again (another replica can serve it)"
+                )
+            slot = await self._slot_of(req.run_id)
+            if slot is None:
+                raise RequestFailed(
+                    f"unknown run {req.run_id}: no run with this id is registered here (submit "
+                    "it first, or check that it was not evicted)"
+                )
+            if req.run_id in self._unservable:
+                raise RequestFailed(self._unservable[req.run_id])
+            version = self.engine.available_version(slot, req.run_id)
+            if version is not None and version >= req.min_policy_version:
+                job = Job(
+                    request_id=req.request_id,
+                    run_id=req.run_id,
+                    slot=slot,
+                    prompts=req.prompts,
+                    n=req.n,
+                    max_tokens=req.max_tokens,
+                    temperature=req.temperature,
+                    top_p=req.top_p,
+                    min_version=req.min_policy_version,
+                    seed=seed,
+                )
+                try:
+                    return slot, await self.engine.generate(job)
+                except SlotChanged:
+                    continue
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                have = "no version" if version is None else f"policy version {version}"
+                raise RequestFailed(
+                    f"{req.run_id}: this replica has {have} but the request asks for "
+                    f"min_policy_version {req.min_policy_version}; gave up after waiting "
+                    f"{req.timeout_s:g}s (timeout_s) for it to be published and loaded"
+                )
+            try:
+                await asyncio.wait_for(changed.wait(), remaining)
+            except TimeoutError:
+                pass
+
+    async def _reply(self, msg: Msg, response: GenerateResponse, headers: dict[str, str]) -> None:
+        try:
+            await send_reply(self.bus.nc, msg.reply, response, headers, self.replica_name)
+        except Exception as exc:  # the requester's connection may be gone; nothing to retry
+            log.warning("could not reply to %s: %s", response.request_id or "?", exc)

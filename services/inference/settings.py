@@ -1,0 +1,126 @@
+"""The inference service's settings: one pydantic model, loaded by ``load_settings``.
+
+Precedence, lowest first: defaults, ``--config FILE`` (TOML), ``PLEXRL_<FIELD>`` environment
+variables (``PLEXRL_MODEL``, ``PLEXRL_MAX_RUNS``, ``PLEXRL_TARGET_MODULES`` as a comma-separated
+list...), then command-line flags.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def default_target_modules() -> list[str]:
+    # Imported here: services.model.lora imports torch, and `plexrl inference --help` must not.
+    from services.model.lora import DEFAULT_TARGET_MODULES
+
+    return list(DEFAULT_TARGET_MODULES)
+
+
+def default_replica_name() -> str:
+    """``<host>-<pid>``, reduced to the characters a subject token or header value allows."""
+    raw = f"{socket.gethostname()}-{os.getpid()}"
+    return re.sub(r"[^A-Za-z0-9_-]", "_", raw)[-64:]
+
+
+class InferenceSettings(BaseModel):
+    """Everything ``plexrl inference`` can be told."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    engine: Literal["torch", "vllm"] = Field(
+        "torch", description="'torch' (CPU or GPU, multi-LoRA batches) or 'vllm' (GPU)"
+    )
+    model: Path = Field(
+        ..., description="Hugging Face model directory (`plexrl model tiny DIR` writes one)"
+    )
+    max_runs: int = Field(4, ge=1, le=4096, description="adapter slots: the registry's max_runs")
+    max_lora_rank: int = Field(
+        32, ge=1, le=1024, description="largest LoRA rank a run's adapter may have"
+    )
+    target_modules: list[str] = Field(
+        default_factory=default_target_modules,
+        description="module names that carry LoRA adapters; must match the trainer's",
+    )
+    output_dir: Path = Field(
+        Path("outputs"),
+        description="run directories; filesystem-transport weights are read only from here",
+    )
+    batch_window_ms: float = Field(
+        5.0, ge=0, le=10_000, description="how long the first request of a batch waits for more"
+    )
+    max_batch_tokens: int = Field(
+        16384,
+        ge=16,
+        le=10_000_000,
+        description="prompt plus completion tokens of one batch (its KV cache), at most",
+    )
+    threads: int = Field(0, ge=0, le=1024, description="torch CPU threads; 0 keeps torch's default")
+    device: str = Field("auto", description="'auto' (cuda when available), 'cpu', 'cuda', 'cuda:1'")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="model dtype: 'auto' is float32 on CPU and bfloat16 on GPU"
+    )
+    replica_name: str = Field(
+        default_factory=default_replica_name,
+        description="this replica's name, sent in the Plexrl-Replica reply header",
+    )
+    service: str = Field(
+        "inference", description="service name: errors go to plexrl.errors.<service>"
+    )
+    weight_load_attempts: int = Field(
+        2, ge=1, le=10, description="tries per announced adapter before it is given up"
+    )
+    gpu_memory_utilization: float = Field(
+        0.85, gt=0, le=1.0, description="vllm: fraction of GPU memory the engine may take"
+    )
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _split_modules(cls, v: Any) -> Any:
+        # PLEXRL_TARGET_MODULES and --target-modules arrive as one string
+        if isinstance(v, str):
+            return [m for m in re.split(r"[,\s]+", v) if m]
+        return v
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_modules(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("name at least one target module (e.g. q_proj,v_proj)")
+        return v
+
+    @field_validator("replica_name", "service")
+    @classmethod
+    def _token(cls, v: str) -> str:
+        if not _NAME_RE.fullmatch(v):
+            raise ValueError(f"{v!r}: use 1-64 letters, digits, '_' or '-'")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", v):
+            raise ValueError(f"{v!r} is not a device: use auto, cpu, cuda, cuda:N or mps")
+        return v
+
+    def torch_device(self) -> str:
+        import torch
+
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    def torch_dtype(self) -> Any:
+        import torch
+
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device().startswith("cuda") else torch.float32
+        return getattr(torch, self.dtype)

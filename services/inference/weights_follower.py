@@ -1,0 +1,172 @@
+"""Follows ``PLEXRL_WEIGHTS`` so that every replica loads every run's newest adapter.
+
+Replicas do not share this work: each one needs every adapter. So each follows the stream with
+its own ordered consumer (ephemeral, unacknowledged, flow-controlled), starting from the last
+message of every subject: a fresh replica catches up on each run's newest WeightsReady at once
+and then follows new ones.
+
+Per run, the newest announcement waiting wins: while one adapter loads, later ones of the same
+run replace each other, so a replica that falls behind skips versions instead of replaying them.
+Runs load in parallel, each in its own task.
+
+A load that fails (an unreadable or garbage-collected blob, a digest mismatch, tensors that do
+not fit) is tried ``attempts`` times in all, then reported once on ``plexrl.errors.<service>``
+and given up: the run keeps serving the version it had, and the next announcement of that run
+starts afresh. There is nothing to ack or term on an ordered consumer; giving up is final.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from nats.aio.msg import Msg
+from nats.js import api
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from schemas import subjects as sj
+from schemas.codec import DecodeError, decode
+from schemas.events import WeightsReady
+from services.bus import Bus, tracing
+from services.weights.loader import WeightsError, load_weights
+
+log = logging.getLogger(__name__)
+
+Install = Callable[[WeightsReady, dict[str, Any]], Awaitable[None]]
+
+
+class WeightsFollower:
+    """Loads each announced adapter that ``wanted(event, headers)`` accepts, hands it to ``install``.
+
+    ``wanted`` decides without I/O (is the run known here, is the version newer); ``install``
+    may raise ValueError for tensors that do not fit, which counts as a failed attempt.
+    """
+
+    def __init__(
+        self,
+        bus: Bus,
+        *,
+        wanted: Callable[[WeightsReady, dict[str, str]], bool],
+        install: Install,
+        output_dir: Path | None = None,
+        attempts: int = 2,
+        retry_delay: float = 0.2,
+    ) -> None:
+        self.bus = bus
+        self.wanted = wanted
+        self.install = install
+        self.output_dir = output_dir
+        self.attempts = attempts
+        self.retry_delay = retry_delay
+        self.tries: Counter[tuple[str, int]] = Counter()
+        """Load attempts per (run_id, step), for metrics and tests."""
+        self.failed: Counter[str] = Counter()
+        """Adapters given up per run."""
+        self.received_at: dict[tuple[str, int], float] = {}
+        """``time.monotonic()`` at which each (run_id, step) announcement arrived."""
+        self._mailbox: dict[str, tuple[WeightsReady, dict[str, str]]] = {}
+        self._workers: dict[str, asyncio.Task[None]] = {}
+        self._sub: Any = None
+        self._tracer = tracing.tracer(f"plexrl.{bus.service}")
+
+    async def start(self) -> None:
+        if self._sub is None:
+            self._sub = await self.bus.js.subscribe(
+                sj.WEIGHTS_WILDCARD,
+                stream=sj.WEIGHTS_STREAM,
+                cb=self._on_msg,
+                ordered_consumer=True,
+                deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
+            )
+
+    async def stop(self) -> None:
+        sub, self._sub = self._sub, None
+        if sub is not None and not self.bus.nc.is_closed:
+            try:
+                await sub.unsubscribe()
+            except Exception as exc:  # the connection may be closing under us
+                log.debug("weights follower: unsubscribe failed: %s", exc)
+        workers = list(self._workers.values())
+        for task in workers:
+            task.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        headers = dict(msg.headers or {})
+        try:
+            event: WeightsReady = decode(msg.data, WeightsReady, headers.get("Content-Type"))
+            if sj.weights_subject(event.run_id) != msg.subject:
+                raise DecodeError(f"a WeightsReady for {event.run_id} arrived on {msg.subject}")
+        except DecodeError as exc:
+            await self.bus.report_invalid(msg.subject, str(exc), msg.data)
+            return
+        if len(self.received_at) >= 4096:  # a bounded record: forget the oldest half
+            for key in list(self.received_at)[:2048]:
+                del self.received_at[key]
+        self.received_at[(event.run_id, event.step)] = time.monotonic()
+        self.submit(event, headers)
+
+    def submit(self, event: WeightsReady, headers: dict[str, str] | None = None) -> None:
+        """Queue ``event`` for loading (also used to replay one held back for an unknown run)."""
+        waiting = self._mailbox.get(event.run_id)
+        if waiting is None or waiting[0].step < event.step:
+            self._mailbox[event.run_id] = (event, dict(headers or {}))
+        if event.run_id not in self._workers:
+            self._workers[event.run_id] = asyncio.create_task(
+                self._drain(event.run_id), name=f"weights-{event.run_id}"
+            )
+
+    async def idle(self) -> None:
+        """Wait until no adapter is waiting or loading (for tests and benchmarks)."""
+        while self._workers:
+            await asyncio.gather(*list(self._workers.values()), return_exceptions=True)
+
+    async def _drain(self, run_id: str) -> None:
+        try:
+            while run_id in self._mailbox:
+                event, headers = self._mailbox.pop(run_id)
+                if self.wanted(event, headers):
+                    await self._load(event, headers)
+        finally:
+            del self._workers[run_id]
+
+    async def _load(self, event: WeightsReady, headers: dict[str, str]) -> None:
+        with self._tracer.start_as_current_span(
+            "weights load",
+            context=tracing.extract(headers),
+            kind=SpanKind.CONSUMER,
+            attributes={
+                "run_id": event.run_id,
+                "idx": event.idx,
+                "policy_version": event.step,
+                "transport": event.transport,
+                "size_bytes": event.size_bytes,
+            },
+        ) as span:
+            error = ""
+            for attempt in range(1, self.attempts + 1):
+                self.tries[(event.run_id, event.step)] += 1
+                try:
+                    tensors = await load_weights(self.bus, event, self.output_dir)
+                    await self.install(event, tensors)
+                    return
+                except (WeightsError, ValueError) as exc:
+                    error = str(exc)
+                    log.warning("%s (attempt %d of %d)", error, attempt, self.attempts)
+                if attempt < self.attempts:
+                    await asyncio.sleep(self.retry_delay)
+            self.failed[event.run_id] += 1
+            span.set_status(Status(StatusCode.ERROR, error))
+            await self.bus.report_error(
+                f"adapter of {event.run_id} at step {event.step} rejected after "
+                f"{self.attempts} attempts, the previous version stays in service: {error}",
+                run_id=event.run_id,
+                step=event.step,
+                transport=event.transport,
+                location=event.location,
+            )
