@@ -1,0 +1,156 @@
+"""The orchestrator's side of ``plexrl.inference.generate``: request/reply with retries.
+
+Inference replicas come and go (a restart, a replica still loading its model, a queue group
+that is momentarily empty), and a replica may not yet hold the policy version a request
+demands. None of that should end a run, so :meth:`GenerateClient.generate` retries, with
+exponential backoff capped at ``max_backoff``, whenever
+
+- no replica answers in time (a NATS timeout),
+- nobody listens on the subject (NATS "no responders"),
+- the reply's ``error`` is one a replica sends for a transient condition (see
+  :func:`is_retryable_error`: the version is not loaded yet, the run is not known yet...).
+
+Any other error reply is final and raises :class:`GenerationError`. Each retry is logged with
+the request id and the reason: at warning level once per reason every ``warn_every`` seconds
+(a step's many requests usually fail for the same reason at the same time, and a long outage
+should stay visible without flooding the log), at debug level otherwise. Setting the ``stop`` event ends the retries:
+:class:`GenerationStopped` is raised instead of another attempt; a request already in flight is
+awaited, so a step that was being generated can still be published.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+import time
+
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+
+from schemas.events import GenerateRequest, GenerateResponse
+from schemas.subjects import GENERATE
+from services.bus import Bus
+
+log = logging.getLogger(__name__)
+
+# Transient conditions as replicas word them. The inference service says "unknown run ..." while
+# its run mirror has not applied the RunDiscovered yet, and "... asks for min_policy_version N;
+# gave up after waiting ..." when the announced adapter is not loaded within the request's
+# timeout_s; other engines say "not loaded yet", "busy" or "shutting down".
+_RETRYABLE = re.compile(
+    r"not (yet )?(loaded|available|known|ready)|(loaded|available|known|ready) yet|"
+    r"asks for min_policy_version|unknown run|no adapter|not serving|busy|overloaded|"
+    r"try again|shutting down|draining",
+    re.IGNORECASE,
+)
+
+
+def is_retryable_error(error: str) -> bool:
+    """Whether an error reply describes a condition that passes by itself.
+
+    A version not loaded yet, a run the replica does not know yet, a busy or stopping replica
+    pass; anything else (a malformed request, a prompt longer than the model's context, a run
+    the replica cannot serve) fails the same way on every retry.
+    """
+    return _RETRYABLE.search(error) is not None
+
+
+class GenerationError(RuntimeError):
+    """Inference answered with an error that retrying will not fix."""
+
+
+class GenerationStopped(Exception):
+    """The stop event was set while a request waited for its next attempt."""
+
+
+class GenerateClient:
+    """Sends GenerateRequests on ``plexrl.inference.generate`` and retries transient failures.
+
+    ``timeout`` bounds one attempt: the time a replica may take to wait for the policy version
+    and to generate. ``max_attempts`` of None retries until ``stop`` is set (or the caller
+    cancels), which is what a long-lived run wants.
+    """
+
+    def __init__(
+        self,
+        bus: Bus,
+        *,
+        timeout: float,
+        stop: asyncio.Event | None = None,
+        initial_backoff: float = 0.25,
+        max_backoff: float = 5.0,
+        max_attempts: int | None = None,
+        subject: str = GENERATE,
+        warn_every: float = 10.0,
+    ) -> None:
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        self.bus = bus
+        self.timeout = timeout
+        self.stop = stop or asyncio.Event()
+        self.initial_backoff = initial_backoff
+        self.max_backoff = max_backoff
+        self.max_attempts = max_attempts
+        self.subject = subject
+        self.warn_every = warn_every
+        self._warned: dict[str, float] = {}
+        self.retries = 0
+        """retries made by this client since it was created (for metrics and tests)"""
+
+    async def generate(self, request: GenerateRequest) -> GenerateResponse:
+        """The reply to ``request``; retries as the module docstring says."""
+        delay = self.initial_backoff
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                response = await self.bus.request(
+                    self.subject, request, GenerateResponse, timeout=self.timeout
+                )
+            except NatsTimeout:
+                reason = f"no reply within {self.timeout:g}s"
+            except NoRespondersError:
+                reason = f"no inference replica listens on {self.subject}"
+            else:
+                if not response.error:
+                    return response
+                if not is_retryable_error(response.error):
+                    raise GenerationError(
+                        f"inference refused {request.request_id}: {response.error}"
+                    )
+                reason = f"inference answered: {response.error}"
+            if self.max_attempts is not None and attempt >= self.max_attempts:
+                raise GenerationError(
+                    f"{request.request_id}: giving up after {attempt} attempts; last: {reason}"
+                )
+            await self._back_off(request, attempt, reason, delay)
+            delay = min(delay * 2, self.max_backoff)
+
+    async def _back_off(
+        self, request: GenerateRequest, attempt: int, reason: str, delay: float
+    ) -> None:
+        if self.stop.is_set():
+            raise GenerationStopped(request.request_id)
+        self.retries += 1
+        now = time.monotonic()
+        level = logging.DEBUG
+        if now - self._warned.get(reason, -math.inf) >= self.warn_every:
+            if len(self._warned) > 256:  # reasons carry version numbers: keep the memo small
+                self._warned.clear()
+            self._warned[reason] = now
+            level = logging.WARNING
+        log.log(
+            level,
+            "%s: %s; retrying in %.2fs (attempt %d)",
+            request.request_id,
+            reason,
+            delay,
+            attempt + 1,
+        )
+        try:
+            await asyncio.wait_for(self.stop.wait(), delay)
+        except TimeoutError:
+            return
+        raise GenerationStopped(request.request_id)

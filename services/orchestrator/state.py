@@ -1,0 +1,165 @@
+"""Where a run's orchestrator resumes: its checkpoint, the trainer's progress and the stream.
+
+After each published step the orchestrator writes
+``{output_dir}/<run_id>/checkpoints/orchestrator.json``::
+
+    {"run_id": "run_x", "next_step": 7, "next_prompt_index": 56, "incarnation": 12, ...}
+
+atomically (a temporary file in the same directory, fsync, rename), so a crash at any point
+leaves the previous checkpoint or the new one, never a torn file.
+
+The checkpoint alone is not enough: the process can die after a publish and before the write.
+So a restarted orchestrator takes the furthest of three independent witnesses:
+
+- its checkpoint's ``next_step``,
+- the trainer's progress (``plexrl-progress``): ``step`` batches trained means steps
+  ``0..step-1`` exist,
+- the newest RolloutBatch on ``plexrl.rollouts.<run_id>`` (one ``get_last_msg``): step ``s``
+  there means the next is ``s + 1``.
+
+It never republishes a step the stream or the trainer already has, and never skips one, since
+each witness only ever records steps that were published. Should two witnesses disagree the
+message ids (``<run_id>/step_<n>``) still make a duplicate harmless.
+
+``incarnation`` is the stream sequence of the RunDiscovered that started this life of the run
+id: a run id reused after its directory was deleted starts again from step 0, so a checkpoint,
+progress or batches from an earlier life are ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+import msgspec
+from nats.js.errors import NotFoundError
+
+from schemas.codec import DecodeError, decode
+from schemas.events import RolloutBatch
+from schemas.run_id import validate_run_id
+from schemas.subjects import ROLLOUTS_STREAM, rollouts_subject
+from services.bus import Bus
+
+CHECKPOINT_NAME = "orchestrator.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file that exists but cannot be read; the message says what to do."""
+
+
+class OrchestratorCheckpoint(msgspec.Struct, frozen=True, kw_only=True):
+    """What the orchestrator needs to continue a run: the next step and prompt position."""
+
+    run_id: str
+    next_step: int
+    next_prompt_index: int
+    incarnation: int = 0
+    config_digest: str = ""
+    updated_at: float = 0.0
+
+
+def run_dir(output_dir: Path | str, run_id: str) -> Path:
+    return Path(output_dir) / validate_run_id(run_id)
+
+
+def checkpoint_path(output_dir: Path | str, run_id: str) -> Path:
+    """``{output_dir}/<run_id>/checkpoints/orchestrator.json``."""
+    return run_dir(output_dir, run_id) / "checkpoints" / CHECKPOINT_NAME
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` so that readers see the old or the new bytes, nothing else.
+
+    The temporary file lives in the target's directory because ``os.replace`` is atomic only
+    within one file system; the fsync before the rename makes the new bytes durable before the
+    name points at them.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    # Make the rename itself durable (where the platform lets a directory be opened).
+    with contextlib.suppress(OSError):
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def write_checkpoint(path: Path, checkpoint: OrchestratorCheckpoint) -> None:
+    stamped = msgspec.structs.replace(checkpoint, updated_at=time.time())
+    atomic_write(path, msgspec.json.format(msgspec.json.encode(stamped), indent=2) + b"\n")
+
+
+def read_checkpoint(path: Path) -> OrchestratorCheckpoint | None:
+    """The checkpoint at ``path``, or None if there is none."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror}") from None
+    try:
+        checkpoint = msgspec.json.decode(data, type=OrchestratorCheckpoint)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise CheckpointError(
+            f"{path} is not an orchestrator checkpoint ({exc}); delete it to resume from the "
+            "trainer's progress and the rollouts stream"
+        ) from None
+    if checkpoint.next_step < 0 or checkpoint.next_prompt_index < 0:
+        raise CheckpointError(f"{path}: negative step or prompt index; delete it to resume")
+    return checkpoint
+
+
+def resume_step(
+    checkpoint_next_step: int | None, trainer_step: int | None, last_stream_step: int | None
+) -> int:
+    """The first step to build: the furthest the checkpoint, the trainer or the stream got."""
+    candidates = [0]
+    if checkpoint_next_step is not None:
+        candidates.append(checkpoint_next_step)
+    if trainer_step is not None:
+        candidates.append(trainer_step)
+    if last_stream_step is not None:
+        candidates.append(last_stream_step + 1)
+    return max(candidates)
+
+
+async def last_published_step(bus: Bus, run_id: str, since: datetime | None = None) -> int | None:
+    """The step of the newest RolloutBatch of ``run_id`` on the stream, or None.
+
+    A batch stored before ``since`` (the start of this incarnation of the run id) does not count.
+    """
+    try:
+        raw = await bus.js.get_last_msg(ROLLOUTS_STREAM, rollouts_subject(run_id))
+    except NotFoundError:
+        return None
+    if since is not None and raw.time is not None and raw.time < since:
+        return None
+    try:
+        batch: RolloutBatch = decode(
+            raw.data or b"", RolloutBatch, (raw.headers or {}).get("Content-Type")
+        )
+    except DecodeError:
+        # Not ours to judge: the trainer terminates and reports it. The message id still says
+        # which step it claims to be.
+        return _step_from_msg_id((raw.headers or {}).get("Nats-Msg-Id", ""))
+    return batch.step
+
+
+def _step_from_msg_id(msg_id: str) -> int | None:
+    _, sep, step = msg_id.rpartition("/step_")
+    return int(step) if sep and step.isdigit() else None

@@ -1,0 +1,143 @@
+"""The generate client against a real nats-server: what it retries, what it does not."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+
+from schemas.events import GenerateRequest
+from services.bus import Bus
+from services.model.tokenizer import character_vocab
+from services.orchestrator.client import (
+    GenerateClient,
+    GenerationError,
+    GenerationStopped,
+    is_retryable_error,
+)
+
+from .conftest import RUN
+from .replica import ScriptedReplica
+
+VOCAB = character_vocab()
+
+
+def _request(min_version: int = 0) -> GenerateRequest:
+    prompt = [VOCAB["<bos>"], *(VOCAB[c] for c in "reverse: abc=")]
+    return GenerateRequest(
+        request_id=f"{RUN}/step_0/prompt_0",
+        run_id=RUN,
+        prompts=[prompt],
+        n=2,
+        max_tokens=4,
+        min_policy_version=min_version,
+        seed=1,
+        timeout_s=1.0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("error", "retryable"),
+    [
+        ("policy version 3 of run_a not loaded yet (have 2)", True),
+        ("run_a is not known yet", True),
+        ("unknown run run_a: no run with this id is registered here (submit it first)", True),
+        (
+            "run_a: this replica has policy version 0 but the request asks for "
+            "min_policy_version 1; gave up after waiting 60s (timeout_s) for it",
+            True,
+        ),
+        ("run_a cannot be served by this replica: rank 64 > max_lora_rank 32", False),
+        ("generation failed: CUDA error", False),
+        ("replica busy", True),
+        ("shutting down", True),
+        ("prompt of 900 tokens exceeds the model's context of 256", False),
+        ("invalid request: n must be >= 1", False),
+    ],
+)
+def test_which_errors_are_retried(error: str, retryable: bool) -> None:
+    assert is_retryable_error(error) is retryable
+
+
+async def test_no_responders_then_a_replica_appears(
+    obus: Bus, replica: ScriptedReplica, caplog: pytest.LogCaptureFixture
+) -> None:
+    await replica.stop()  # nobody listens yet
+    client = GenerateClient(obus, timeout=2.0, initial_backoff=0.05, max_backoff=0.2)
+    caplog.set_level(logging.WARNING, logger="services.orchestrator.client")
+    task = asyncio.create_task(client.generate(_request()))
+    await asyncio.sleep(0.4)
+    assert not task.done()
+    await replica.start()
+    response = await asyncio.wait_for(task, 5.0)
+    assert response.error is None
+    # the scripted replica's sample k is the first k characters of "cba", then <eos>
+    assert [c.token_ids for c in response.completions[0]] == [
+        [VOCAB["<eos>"]],
+        [VOCAB["c"], VOCAB["<eos>"]],
+    ]
+    assert client.retries >= 2
+    assert "no inference replica listens on plexrl.inference.generate" in caplog.text
+    assert f"{RUN}/step_0/prompt_0" in caplog.text
+
+
+async def test_version_not_loaded_yet_is_retried_until_it_is(
+    obus: Bus, replica: ScriptedReplica
+) -> None:
+    client = GenerateClient(obus, timeout=2.0, initial_backoff=0.05, max_backoff=0.1)
+    task = asyncio.create_task(client.generate(_request(min_version=2)))
+    await asyncio.sleep(0.3)
+    assert not task.done() and replica.refusals >= 2
+    replica.version = 2
+    response = await asyncio.wait_for(task, 5.0)
+    assert response.policy_version == 2 and response.error is None
+
+
+async def test_a_final_error_is_raised_at_once(obus: Bus, replica: ScriptedReplica) -> None:
+    replica.errors = ["prompt exceeds the model's context"]
+    client = GenerateClient(obus, timeout=2.0)
+    with pytest.raises(GenerationError, match="prompt exceeds the model's context"):
+        await client.generate(_request())
+    assert client.retries == 0 and len(replica.requests) == 1
+
+
+async def test_timeouts_are_retried_and_max_attempts_gives_up(
+    obus: Bus, replica: ScriptedReplica
+) -> None:
+    replica.delay = 0.5  # slower than the client's timeout
+    client = GenerateClient(
+        obus, timeout=0.1, initial_backoff=0.01, max_backoff=0.01, max_attempts=3
+    )
+    with pytest.raises(
+        GenerationError, match=r"giving up after 3 attempts; last: no reply within 0.1s"
+    ):
+        await client.generate(_request())
+    assert client.retries == 2
+
+
+async def test_stop_ends_the_retries(obus: Bus, replica: ScriptedReplica) -> None:
+    stop = asyncio.Event()
+    client = GenerateClient(obus, timeout=2.0, stop=stop, initial_backoff=5.0)
+    task = asyncio.create_task(client.generate(_request(min_version=9)))
+    await asyncio.sleep(0.2)  # refused once, now backing off for 5 s
+    started = time.monotonic()
+    stop.set()
+    with pytest.raises(GenerationStopped):
+        await asyncio.wait_for(task, 2.0)
+    assert time.monotonic() - started < 1.0
+
+
+async def test_one_warning_per_reason_not_one_per_request(
+    obus: Bus, replica: ScriptedReplica, caplog: pytest.LogCaptureFixture
+) -> None:
+    replica.errors = ["replica busy"] * 8
+    client = GenerateClient(obus, timeout=2.0, initial_backoff=0.01, max_backoff=0.01)
+    caplog.set_level(logging.DEBUG, logger="services.orchestrator.client")
+    responses = await asyncio.gather(*(client.generate(_request()) for _ in range(4)))
+    assert all(r.error is None for r in responses)
+    assert client.retries == 8
+    retry_lines = [r for r in caplog.records if "inference answered: replica busy" in r.message]
+    assert len(retry_lines) == 8
+    assert [r.levelno for r in retry_lines].count(logging.WARNING) == 1
