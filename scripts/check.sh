@@ -4,8 +4,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-.venv/bin/ruff check schemas services tests bench
-.venv/bin/ruff format --check schemas services tests bench
+.venv/bin/ruff check schemas services tests bench deploy
+.venv/bin/ruff format --check schemas services tests bench deploy
 .venv/bin/mypy
 .venv/bin/plexrl schemas check
 .venv/bin/python -m pytest "$@"

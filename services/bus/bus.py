@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
+from collections.abc import Mapping
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
@@ -32,6 +34,18 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 LEADING_BYTES = 256
+
+
+def stream_replicas(environ: Mapping[str, str] | None = None) -> int:
+    """Copies of each stream, bucket and object store: ``PLEXRL_STREAM_REPLICAS`` (1 to 5).
+
+    One server keeps one copy; a three-server cluster keeps three so losing a server loses
+    nothing. Provisioning sets the count when it creates a stream and raises it on an existing one.
+    """
+    raw = (os.environ if environ is None else environ).get("PLEXRL_STREAM_REPLICAS", "1").strip()
+    if not raw.isdigit() or not 1 <= int(raw) <= 5:
+        raise ValueError(f"PLEXRL_STREAM_REPLICAS must be a whole number from 1 to 5, got {raw!r}")
+    return int(raw)
 
 
 async def _any_reachable(servers: list[str], timeout: float) -> bool:
@@ -114,7 +128,7 @@ class Bus:
         bus = cls(nc, service, fmt)
         closing.append(bus)
         if provision_streams:
-            await provision(bus.js)
+            await provision(bus.js, replicas=stream_replicas())
         return bus
 
     async def close(self) -> None:

@@ -74,12 +74,24 @@ OBJECT_STORE = sj.OBJECT_STORE_WEIGHTS
 
 
 def _differs(current: api.StreamConfig, wanted: api.StreamConfig) -> bool:
-    for f in ("subjects", "description", "max_age", "max_msgs_per_subject", "duplicate_window"):
+    for f in (
+        "subjects",
+        "description",
+        "max_age",
+        "max_msgs_per_subject",
+        "duplicate_window",
+        "num_replicas",
+    ):
         a, b = getattr(current, f), getattr(wanted, f)
         if f == "subjects":
             a, b = sorted(a or []), sorted(b or [])
         if f == "max_age":
             a, b = a or 0, b or 0
+        if f == "num_replicas":
+            # never lower a stream's replica count: an operator may have raised it on purpose
+            if (a or 1) < (b or 1):
+                return True
+            continue
         if a != b:
             return True
     return False
@@ -104,6 +116,7 @@ async def provision(js: JetStreamContext, replicas: int = 1) -> list[str]:
                 max_age=wanted.max_age,
                 max_msgs_per_subject=wanted.max_msgs_per_subject,
                 duplicate_window=wanted.duplicate_window,
+                num_replicas=max(info.config.num_replicas or 1, replicas),
             )
             await js.update_stream(merged)
             changed.append(f"updated stream {spec.name}")
@@ -121,6 +134,6 @@ async def provision(js: JetStreamContext, replicas: int = 1) -> list[str]:
         await js.object_store(OBJECT_STORE)
     except (BucketNotFoundError, NotFoundError):
         # nats-py 2.x: passing a config that names the bucket fails; the name alone works.
-        await js.create_object_store(OBJECT_STORE)
+        await js.create_object_store(OBJECT_STORE, replicas=replicas)
         changed.append(f"created object store {OBJECT_STORE}")
     return changed

@@ -324,3 +324,18 @@ def test_codec_roundtrip_both_formats() -> None:
     assert decode(encode(ev), RunSubmitted) == ev
     assert decode(encode(ev, "msgpack"), RunSubmitted, "application/msgpack") == ev
     assert msgspec.json.decode(encode(ev))["type"] == "run_submitted"
+
+
+def test_stream_replicas_setting() -> None:
+    from services.bus.bus import stream_replicas
+
+    assert stream_replicas({}) == 1
+    assert stream_replicas({"PLEXRL_STREAM_REPLICAS": "3"}) == 3
+    for bad in ("0", "6", "three", "-1", ""):
+        with pytest.raises(ValueError, match="PLEXRL_STREAM_REPLICAS"):
+            stream_replicas({"PLEXRL_STREAM_REPLICAS": bad})
+
+
+async def test_provisioning_never_lowers_replicas(bus: Bus) -> None:
+    # A single server holds one copy; asking for one must leave an R1 stream as it is.
+    assert await provision(bus.js, replicas=1) == []
