@@ -29,6 +29,7 @@ from schemas.subjects import errors_subject
 from services.bus import tracing
 from services.bus.errors import BusUnavailable, PayloadTooLarge
 from services.bus.provision import provision
+from services.telemetry.metrics import record_invalid
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -233,6 +234,7 @@ class Bus:
     async def report_invalid(self, subject: str, error: str, payload: bytes) -> None:
         """Count and report a message that failed to decode or validate."""
         self.invalid_count += 1
+        record_invalid(self.service, subject)
         log.warning("%s: invalid message on %s: %s", self.service, subject, error)
         trace.get_current_span().set_attribute("plexrl.invalid", True)
         await self.report(

@@ -31,6 +31,7 @@ from schemas.codec import DecodeError, decode
 from services.bus import tracing
 from services.bus.bus import Bus
 from services.bus.errors import Reject, Retry
+from services.telemetry.metrics import record_queue_depth
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -61,6 +62,14 @@ class Delivery:
     async def in_progress(self) -> None:
         """Reset the ack timer while a long piece of work (a training step) holds the message."""
         await self.msg.in_progress()
+
+
+def _pending(msgs: list[Msg]) -> int:
+    """Messages still waiting for this consumer after ``msgs`` (0 after an empty fetch)."""
+    try:
+        return msgs[-1].metadata.num_pending if msgs else 0
+    except Exception:  # a non-JetStream message has no metadata
+        return 0
 
 
 def _delivery(msg: Msg) -> Delivery:
@@ -133,9 +142,11 @@ class Consumer(Generic[T]):
             await self.start()
         assert self._sub is not None
         try:
-            return await self._sub.fetch(batch, timeout=timeout)
+            msgs = await self._sub.fetch(batch, timeout=timeout)
         except (TimeoutError, NatsTimeout):
-            return []  # nothing pending: nats-py raises on an empty fetch
+            msgs = []  # nothing pending: nats-py raises on an empty fetch
+        record_queue_depth(self.bus.service, self.durable or self.filter_subject, _pending(msgs))
+        return msgs
 
     async def _decode_or_reject(self, msg: Msg, delivery: Delivery) -> T | None:
         try:

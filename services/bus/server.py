@@ -20,6 +20,16 @@ from types import TracebackType
 MAX_PAYLOAD = 8 * 1024 * 1024
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux to SIGTERM it when the parent dies, so a killed test
+    run or a crashed ``plexrl up`` leaves no orphaned server behind."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class NatsServerError(RuntimeError):
     """The embedded server could not be found or started."""
 
@@ -90,7 +100,11 @@ class EmbeddedNats:
             cmd += ["-m", str(self.monitor_port)]
         log = open(self.store_dir / "nats-server.log", "ab")  # noqa: SIM115 - lives with the process
         self.proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         log.close()
         deadline = time.monotonic() + timeout

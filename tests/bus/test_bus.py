@@ -339,3 +339,32 @@ def test_stream_replicas_setting() -> None:
 async def test_provisioning_never_lowers_replicas(bus: Bus) -> None:
     # A single server holds one copy; asking for one must leave an R1 stream as it is.
     assert await provision(bus.js, replicas=1) == []
+
+
+def test_embedded_server_dies_with_its_parent(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import os\n"
+        "from services.bus import EmbeddedNats\n"
+        f"s = EmbeddedNats(store_dir={str(tmp_path)!r})\n"
+        "s.start()\n"
+        "print(s.proc.pid, flush=True)\n"
+        "os._exit(9)  # a crash: no cleanup runs\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    pid = int(out.stdout.strip())
+    deadline = time.monotonic() + 10
+    alive = True
+    while alive and time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+            with open(f"/proc/{pid}/stat") as f:
+                alive = f.read().split()[2] != "Z"
+        except (ProcessLookupError, FileNotFoundError):
+            alive = False
+        time.sleep(0.1)
+    assert not alive, f"nats-server {pid} outlived its parent"
