@@ -1,0 +1,318 @@
+"""Multi-run trainer vs its baselines, measured in the same run on the same samples.
+
+Model: a Llama built in-process (no download): hidden 256, 4 layers, 8 heads (4 KV heads),
+MLP 768, the tiny model's character vocabulary; LoRA rank 16 on every attention and MLP
+projection. Samples: 8 runs x 4 sequences x 128 tokens (32 prompt + 96 completion).
+
+(a) multi-adapter: one forward+backward with the 8 runs' rows mixed in one batch (grouped by
+    run, as the trainer orders a micro-batch), each row routed to its run's adapter slot, vs
+    PEFT switching adapters: 8 forward+backward passes, one per adapter (``set_adapter``),
+    each on that run's rows. Also at 1 x 64 tokens per run, where per-pass overheads count.
+(b) overhead: the same mixed multi-adapter forward+backward vs the bare base model
+    forward+backward on the same batch (no LoRA; gradients flow back to the input embeddings,
+    the activation-gradient work that LoRA training needs as well); and one MultiLoRALinear
+    (8 slots) vs one nn.Linear on 4096 tokens.
+(c) trainer: 4 runs in one trainer process (one StepExecutor, 4 slots) vs 4 single-run trainer
+    processes side by side, each training its own run on the same batches, every process with
+    the same thread count (as four trainers started with the same settings would be); samples
+    per second over the training steps, and peak RSS (summed over the 4 processes).
+
+In (c) every run's batch holds 16 samples of 128 tokens. Each timing is the median of
+``--repeats`` after a warm-up, the functions compared taking turns in every round so that a
+machine shared with other work slows them alike. CPU only. Prints a markdown table.
+
+    .venv/bin/python bench/trainer.py [--repeats 5] [--threads N] [--steps 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import multiprocessing as mp
+import resource
+import statistics
+import time
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from schemas.config import orch_config_from_dict
+from schemas.events import RolloutBatch, Sample
+from services.model.lora import DEFAULT_TARGET_MODULES, MultiLoRA, MultiLoRALinear
+from services.model.tiny import TinySpec, tiny_config
+from services.trainer.loss import selected_logprobs
+from services.trainer.settings import default_threads
+
+SPEC = TinySpec(
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    intermediate_size=768,
+    max_position_embeddings=256,
+)
+RUNS, ROWS_PER_RUN, PROMPT, COMPLETION, RANK = 8, 4, 32, 96, 16
+SEQ = PROMPT + COMPLETION
+
+
+def base_model() -> Any:
+    from transformers import LlamaForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model: Any = LlamaForCausalLM(tiny_config(SPEC))
+    return model.eval()
+
+
+def median_times(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    """Median seconds of each function, the functions taking turns in every round so that a
+    change in the machine's load (it may be shared) hits them alike."""
+    for fn in fns.values():
+        fn()  # warm-up: kernels, allocator, thread pools
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def token_mean_loss(logits: torch.Tensor, ids: torch.Tensor, prompt: int) -> torch.Tensor:
+    """The trainer's shape of loss: mean log-probability of the completion tokens."""
+    lp = selected_logprobs(logits[:, prompt - 1 : -1], ids[:, prompt:])
+    return -lp.mean()
+
+
+# --- (a) and (b): one forward+backward -----------------------------------------------------------
+
+
+Row = tuple[str, str, float, str]
+"""measurement, value as shown, ratio to the baseline, the baseline and the target"""
+
+
+def bench_forward_backward(repeats: int, rows_per_run: int, seq: int, prompt: int) -> list[Row]:
+    gen = torch.Generator().manual_seed(0)
+    vocab = tiny_config(SPEC).vocab_size
+    ids = torch.randint(4, vocab, (RUNS * rows_per_run, seq), generator=gen)
+    # rows grouped by run, as the trainer's executor orders each micro-batch
+    slots = torch.arange(RUNS).repeat_interleave(rows_per_run)
+
+    multi = base_model()
+    lora = MultiLoRA.attach(multi, n_adapters=RUNS, max_rank=RANK)
+    for s in range(RUNS):
+        lora.reset_slot(s, RANK, 2.0 * RANK, seed=s)
+        with torch.no_grad():  # non-zero B, so that A gets gradients too
+            for layer in lora.layers.values():
+                layer.lora_B[s].normal_(0, 0.02, generator=gen.manual_seed(s))
+
+    def multi_step() -> None:
+        with lora.use(slots):
+            token_mean_loss(multi(input_ids=ids).logits, ids, prompt).backward()
+        for s in range(RUNS):
+            for p in lora.slot_parameters(s):
+                p.grad = None
+
+    peft_model = _peft_model(lora)
+
+    def peft_step() -> None:
+        for s in range(RUNS):
+            rows = slots == s
+            peft_model.set_adapter(f"run{s}")
+            logits = peft_model(input_ids=ids[rows]).logits
+            token_mean_loss(logits, ids[rows], prompt).backward()
+        peft_model.zero_grad(set_to_none=True)
+
+    bare = base_model().requires_grad_(False)
+    embed = bare.get_input_embeddings()
+
+    def bare_step() -> None:
+        x = embed(ids).detach().requires_grad_(True)
+        token_mean_loss(bare(inputs_embeds=x).logits, ids, prompt).backward()
+
+    t = median_times({"multi": multi_step, "peft": peft_step, "bare": bare_step}, repeats)
+    t_multi, t_peft, t_bare = t["multi"], t["peft"], t["bare"]
+    shape = f"8 runs x {rows_per_run} x {seq} tokens"
+    return [
+        (
+            f"(a) multi-adapter fwd+bwd, {shape}",
+            f"{t_multi * 1e3:.1f} ms",
+            t_peft / t_multi,
+            f"PEFT, 8 passes switching adapters: {t_peft * 1e3:.1f} ms; target >= 3x",
+        ),
+        (
+            f"(b) multi-adapter over bare model fwd+bwd, {shape}",
+            f"{t_multi * 1e3:.1f} ms",
+            t_multi / t_bare,
+            f"bare base model: {t_bare * 1e3:.1f} ms; target <= 1.3x",
+        ),
+    ]
+
+
+def bench_layer(repeats: int) -> list[Row]:
+    t_layer, t_linear = _layer_times(repeats)
+    return [
+        (
+            "(b) one MultiLoRALinear 256->768, 8 slots, 4096 tokens",
+            f"{t_layer * 1e3:.2f} ms",
+            t_layer / t_linear,
+            f"nn.Linear: {t_linear * 1e3:.2f} ms",
+        )
+    ]
+
+
+def _peft_model(lora: MultiLoRA) -> Any:
+    """The same base weights under PEFT, with the same 8 adapters loaded by name."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+    config = LoraConfig(
+        r=RANK,
+        lora_alpha=2 * RANK,
+        target_modules=list(DEFAULT_TARGET_MODULES),
+        lora_dropout=0.0,
+        init_lora_weights=False,
+    )
+    model = get_peft_model(base_model(), config, adapter_name="run0")
+    for s in range(RUNS):
+        if s:
+            model.add_adapter(f"run{s}", config)
+        set_peft_model_state_dict(model, lora.slot_state_dict(s), adapter_name=f"run{s}")
+    return model
+
+
+def _layer_times(repeats: int) -> tuple[float, float]:
+    tokens = RUNS * ROWS_PER_RUN * SEQ
+    linear = torch.nn.Linear(SPEC.hidden_size, SPEC.intermediate_size, bias=False)
+    layer = MultiLoRALinear(copy.deepcopy(linear), RUNS, RANK)
+    with torch.no_grad():
+        for s in range(RUNS):
+            layer.lora_A[s].normal_(0, 0.02)
+            layer.lora_B[s].normal_(0, 0.02)
+    slots = torch.arange(RUNS).repeat_interleave(tokens // RUNS)
+    layer.adapter_context.set_slot_ids(slots)
+    linear.requires_grad_(False)
+    x = torch.randn(tokens, SPEC.hidden_size)
+
+    def multi() -> None:
+        xi = x.detach().requires_grad_(True)
+        layer(xi).square().mean().backward()
+        layer.zero_grad(set_to_none=True)
+
+    def plain() -> None:
+        xi = x.detach().requires_grad_(True)
+        linear(xi).square().mean().backward()
+
+    t = median_times({"multi": multi, "plain": plain}, repeats)
+    return t["multi"], t["plain"]
+
+
+# --- (c) one trainer with 4 runs vs 4 single-run trainers -----------------------------------------
+
+
+def _batch(run_id: str, step: int, vocab: int) -> RolloutBatch:
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{run_id}/{step}".encode()))
+    samples = []
+    for _ in range(16):
+        ids = torch.randint(4, vocab, (SEQ,), generator=gen).tolist()
+        samples.append(
+            Sample(
+                prompt_ids=ids[:PROMPT],
+                completion_ids=ids[PROMPT:],
+                completion_logprobs=[-4.4] * COMPLETION,
+                reward=1.0,
+                advantage=float(torch.randn(1, generator=gen)),
+            )
+        )
+    return RolloutBatch(run_id=run_id, step=step, policy_version=step, samples=samples)
+
+
+def trainer_worker(run_ids: list[str], steps: int, threads: int, queue: Any) -> None:
+    """One trainer process: its runs, ``steps`` steps each, all runs of a step trained together."""
+    torch.set_num_threads(threads)
+    from services.trainer.state import create_run_state
+    from services.trainer.step import StepExecutor
+
+    model = base_model()
+    lora = MultiLoRA.attach(model, n_adapters=len(run_ids), max_rank=RANK)
+    vocab = model.get_input_embeddings().num_embeddings
+    executor = StepExecutor(model, lora, token_budget=8192, pad_id=0, vocab_size=vocab)
+    config = orch_config_from_dict({"model": {"lora": {"rank": RANK, "alpha": 2.0 * RANK}}})
+    states = {i: create_run_state(lora, i, r, config, "") for i, r in enumerate(run_ids)}
+    batches = [[(i, _batch(r, s, vocab)) for i, r in enumerate(run_ids)] for s in range(steps + 1)]
+    executor.run(batches[0], states)  # warm-up step, not timed
+    start = time.time()
+    for work in batches[1:]:
+        executor.run(work, states)
+    end = time.time()
+    samples = steps * sum(len(b.samples) for _, b in batches[1])
+    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    queue.put((start, end, samples, rss_mib))
+
+
+def bench_trainers(steps: int, threads: int) -> list[Row]:
+    ctx = mp.get_context("spawn")
+    runs = [f"run_{i}" for i in range(4)]
+
+    def launch(groups: list[list[str]], per_process_threads: int) -> tuple[float, float]:
+        queue = ctx.Queue()
+        procs = [
+            ctx.Process(target=trainer_worker, args=(g, steps, per_process_threads, queue))
+            for g in groups
+        ]
+        for p in procs:
+            p.start()
+        results = [queue.get() for _ in procs]
+        for p in procs:
+            p.join()
+        start = min(r[0] for r in results)
+        end = max(r[1] for r in results)
+        return sum(r[2] for r in results) / (end - start), sum(r[3] for r in results)
+
+    shared_rate, shared_rss = launch([runs], threads)
+    single_rate, single_rss = launch([[r] for r in runs], threads)
+    return [
+        (
+            "(c) 4 runs in one trainer: samples/s",
+            f"{shared_rate:.1f}",
+            shared_rate / single_rate,
+            f"4 single-run trainers: {single_rate:.1f} samples/s; target >= 1.5x",
+        ),
+        (
+            "(c) 4 runs in one trainer: peak RSS (MiB)",
+            f"{shared_rss:.0f}",
+            shared_rss / single_rss,
+            f"4 single-run trainers: {single_rss:.0f} MiB in all; target <= 0.5x",
+        ),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=6, help="timed trainer steps in (c)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=default_threads(),
+        help="torch threads of every process (default: the trainer's, half the cores)",
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = bench_forward_backward(args.repeats, ROWS_PER_RUN, SEQ, PROMPT)
+    rows += bench_forward_backward(args.repeats, 1, 64, 16)
+    rows += bench_layer(args.repeats)
+    rows += bench_trainers(args.steps, args.threads)
+    print(
+        f"\nCPU, {args.threads} threads, torch {torch.__version__}; model "
+        f"hidden {SPEC.hidden_size}, {SPEC.num_hidden_layers} layers, LoRA rank {RANK}\n"
+    )
+    print("| measurement | value | ratio | baseline |")
+    print("| --- | --- | --- | --- |")
+    for name, shown, ratio, baseline in rows:
+        print(f"| {name} | {shown} | {ratio:.2f}x | {baseline} |")
+
+
+if __name__ == "__main__":
+    main()

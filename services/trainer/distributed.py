@@ -1,0 +1,132 @@
+"""Data-parallel ranks of one trainer: who consumes, what is broadcast, what is all-reduced.
+
+Under ``torchrun`` (``WORLD_SIZE`` > 1) every rank holds the whole base model and every adapter
+slot. Rank 0 alone consumes RolloutBatches, acks, publishes, checkpoints and writes progress; at
+each trainer step it broadcasts the step's work (the batches) to the other ranks, every rank
+packs the same micro-batches and takes every ``world_size``-th of them, and one all-reduce
+(sum) per step joins each trained run's slot gradients.
+
+Why a sum and not a mean: the loss of run ``k`` is normalised by ``N_k``, its loss tokens over
+the *whole* step (every rank packs the whole step, so every rank knows ``N_k``). A rank's
+gradient is then its share of ``dL_k/dθ``, and the shares add up to exactly the gradient a single
+process would get. Dividing by the number of ranks would shrink every run's step.
+
+Gloo on CPU, NCCL on GPU. A single process uses :data:`SINGLE`, whose operations do nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place among the trainer's ranks and the collectives it takes part in."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """``obj`` from rank 0 on every rank (pickled; for work lists and checkpoints)."""
+        if not self.distributed:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj if self.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def any(self, flag: bool, device: torch.device) -> bool:
+        """True on every rank if it is true on any rank (a stop request, say)."""
+        if not self.distributed:
+            return flag
+        import torch.distributed as dist
+
+        t = torch.tensor([1.0 if flag else 0.0], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item() > 0)
+
+    def sum_grads(self, params: Sequence[nn.Parameter], extras: torch.Tensor) -> torch.Tensor:
+        """All-reduce (sum) the gradients of ``params`` in one flat buffer, and ``extras``.
+
+        A parameter without a gradient on this rank (its run had no micro-batch here) takes part
+        as zeros and comes back with the sum. ``extras`` (per-run loss sums and counts) travel in
+        their own float64 buffer so that counts stay exact whatever the parameters' dtype.
+        Returns the summed ``extras``.
+        """
+        if not self.distributed:
+            return extras
+        import torch.distributed as dist
+
+        if params:
+            flat = torch.cat(
+                [
+                    p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1)
+                    for p in params
+                ]
+            )
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            offset = 0
+            for p in params:
+                n = p.numel()
+                p.grad = flat[offset : offset + n].view_as(p).clone()
+                offset += n
+        summed = extras.to(torch.float64).clone()
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+        return summed.to(extras.dtype)
+
+    def max(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.distributed:
+            return t
+        import torch.distributed as dist
+
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t
+
+
+SINGLE = Ranks()
+
+
+def init_ranks(device: str) -> Ranks:
+    """Join the process group ``torchrun`` describes in the environment, or run alone.
+
+    ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` are the
+    standard torchrun variables; with ``WORLD_SIZE`` unset or 1 nothing is initialised.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return SINGLE
+    import torch.distributed as dist
+
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size
+        )
+    return Ranks(rank=rank, world_size=world_size, local_rank=local_rank)
+
+
+def close_ranks(ranks: Ranks) -> None:
+    if ranks.distributed:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

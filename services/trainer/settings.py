@@ -1,0 +1,134 @@
+"""The trainer's settings: one pydantic model, loaded by :func:`services.config.load_settings`.
+
+Precedence, lowest first: defaults, ``--config FILE`` (TOML), ``PLEXRL_<FIELD>`` environment
+variables (``PLEXRL_MODEL``, ``PLEXRL_OUTPUT_DIR``, ``PLEXRL_MAX_RUNS``,
+``PLEXRL_WEIGHT_TRANSPORT``, ``PLEXRL_TARGET_MODULES`` as a comma-separated list...), then
+command-line flags. This module imports no torch, so ``plexrl trainer --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,48}$")
+
+# The same list as services.model.lora.DEFAULT_TARGET_MODULES (a test checks it), repeated here
+# because importing that module imports torch.
+DEFAULT_TARGET_MODULES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+
+
+def default_threads() -> int:
+    """Half the cores this process may use, at least one.
+
+    The trainer rarely has the machine to itself: ``plexrl up`` runs inference (torch too) and
+    the orchestrators beside it. Measured on a 2-core machine with the bench model's batch
+    (bench/trainer.py, 8 runs x 4 x 128 tokens, forward+backward): with the machine otherwise
+    idle, 2 threads took 0.76 s; with one other busy process on it, 1 thread took 1.3 s and
+    2 threads 25 s, because OpenMP's threads spin at every barrier while one of them waits for
+    a core. Half the cores gives up under 2x when the machine is idle to never pay 20x when it
+    is not; set ``threads`` to all cores on a machine that runs nothing else.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // 2)
+
+
+class TrainerSettings(BaseModel):
+    """Everything ``plexrl trainer`` can be told."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: Path = Field(
+        description="Hugging Face model directory (`plexrl model tiny DIR` writes the default)"
+    )
+    output_dir: Path = Field(
+        Path("outputs"),
+        description="run directories: checkpoints go to {output_dir}/<run_id>/checkpoints/",
+    )
+    max_runs: int = Field(
+        4, ge=1, le=4096, description="adapter slots; the same number as the registry's pool"
+    )
+    max_lora_rank: int = Field(
+        16, ge=1, le=1024, description="largest LoRA rank a run may use (the slots' size)"
+    )
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_TARGET_MODULES),
+        min_length=1,
+        description="linear modules that carry adapters (names or name suffixes, as in PEFT)",
+    )
+    micro_batch_tokens: int = Field(
+        8192, ge=16, le=1 << 24, description="padded tokens per micro-batch (rows * longest row)"
+    )
+    weight_transport: Literal["object_store", "filesystem"] = Field(
+        "object_store", description="how WeightsReady adapters travel"
+    )
+    keep_weights: int = Field(
+        3, ge=1, le=1000, description="adapter versions kept per run in the weight transport"
+    )
+    device: Literal["cpu", "cuda"] = Field("cpu", description="where the model runs")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="parameter and activation dtype"
+    )
+    threads: int = Field(
+        0, ge=0, le=1024, description="torch intra-op threads; 0 means half the cores"
+    )
+    ack_wait: float = Field(
+        300.0,
+        gt=0,
+        le=86400,
+        description="seconds the server waits for an ack before redelivering a batch; held "
+        "batches are kept alive with in-progress signals every ack_wait / 3",
+    )
+    collect_ms: float = Field(
+        5.0,
+        ge=0,
+        le=10_000,
+        description="once one batch is trainable, wait this long for other runs' batches",
+    )
+    unknown_run_hold: float = Field(
+        5.0,
+        ge=0,
+        le=3600,
+        description="seconds a batch of a run the mirror does not know yet is held before it "
+        "is handed back to the server (its RunDiscovered may still be on the way)",
+    )
+    consumer_name: str = Field(
+        "trainer", description="durable consumer on PLEXRL_ROLLOUTS; one per trainer deployment"
+    )
+    service: str = Field(
+        "trainer", description="service name: errors go to plexrl.errors.<service>"
+    )
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _split_modules(cls, v: Any) -> Any:
+        # PLEXRL_TARGET_MODULES and --target-modules arrive as one string
+        if isinstance(v, str):
+            return [m for m in re.split(r"[,\s]+", v) if m]
+        return v
+
+    @field_validator("consumer_name", "service")
+    @classmethod
+    def _token(cls, v: str) -> str:
+        if not _NAME_RE.fullmatch(v):
+            raise ValueError(f"{v!r}: use 1-48 letters, digits, '_' or '-'")
+        return v
+
+    @property
+    def num_threads(self) -> int:
+        return self.threads or default_threads()

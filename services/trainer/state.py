@@ -1,0 +1,208 @@
+"""Per-run trainer state: the run's adapter slot, AdamW, learning-rate schedule and progress.
+
+A run's state is made by the run mirror's creation hook and dropped by its deletion hook, on
+every rank, so the state of every rank is the same function of the same lifecycle events. On
+creation the slot is reset to a fresh PEFT adapter (A random from a seed derived from the run id
+and its config seed, B = 0: policy version 0 is the base model) at the run's rank and alpha,
+then, if the run has a complete checkpoint, the adapter, optimizer, scheduler and progress are
+loaded from it. The checkpoint alone decides where a run resumes: ``progress.step`` is the
+number of optimizer steps taken, which is also the step of the next RolloutBatch the run needs.
+
+Each run's optimizer owns exactly its slot's parameters, and a slot takes part in a forward only
+when a row of that run is in the batch, so stepping one run never moves another.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from schemas.config import OrchConfig
+from schemas.events import LoraSpec
+from services.model.lora import MultiLoRA
+from services.registry.progress import Progress
+from services.trainer.checkpoint import Checkpoint
+from services.trainer.loss import LossParams
+from services.trainer.schedule import build_lr_scheduler
+
+log = logging.getLogger(__name__)
+
+
+class RunSetupError(ValueError):
+    """A run that this trainer cannot serve; the message is the eviction reason."""
+
+
+@dataclass
+class RunState:
+    """Everything the trainer keeps for one run."""
+
+    idx: int
+    run_id: str
+    config: OrchConfig
+    config_digest: str
+    target_modules: tuple[str, ...]
+    optimizer: torch.optim.AdamW
+    scheduler: LambdaLR
+    progress: Progress
+    committed_step: int = 0
+    """optimizer steps held by the latest checkpoint; steps from here on may be retrained"""
+    resumed_from: int | None = None
+    """checkpoint step this state was loaded from, None for a fresh run"""
+    evicting: str | None = None
+    """set once the trainer asked for this run's eviction: its batches are dropped from then on"""
+    loss_params: LossParams = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.loss_params = LossParams.from_config(self.config.loss)
+
+    @property
+    def next_step(self) -> int:
+        """The step of the RolloutBatch this run trains on next."""
+        return self.progress.step
+
+    @property
+    def temperature(self) -> float:
+        # Temperature 0 is greedy sampling, whose distribution has no useful log-probabilities;
+        # such a run is scored at temperature 1, as inference reports it.
+        t = self.config.sampling.temperature
+        return t if t > 0 else 1.0
+
+    @property
+    def max_grad_norm(self) -> float:
+        return self.config.optim.max_grad_norm
+
+    @property
+    def lora_spec(self) -> LoraSpec:
+        lora = self.config.model.lora
+        return LoraSpec(rank=lora.rank, alpha=lora.alpha, target_modules=list(self.target_modules))
+
+    @property
+    def lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    def checkpoint_due(self) -> bool:
+        """After the step just taken: does the run's ckpt.interval (or its last step) ask for one?"""
+        step = self.progress.step
+        return step % self.config.ckpt.interval == 0 or step >= self.config.max_steps
+
+    def advance(self, num_tokens: int, num_samples: int, reward_mean: float | None) -> None:
+        """Count one optimizer step of this run and what it trained on."""
+        self.progress.step += 1
+        self.progress.total_tokens += num_tokens
+        self.progress.total_samples += num_samples
+        self.progress.reward_mean = reward_mean
+
+    def to_checkpoint(self, lora: MultiLoRA) -> Checkpoint:
+        cfg = self.config.model.lora
+        return Checkpoint(
+            step=self.progress.step,
+            adapter=lora.slot_state_dict(self.idx),
+            rank=cfg.rank,
+            alpha=cfg.alpha,
+            target_modules=list(self.target_modules),
+            optimizer=self.optimizer.state_dict(),
+            scheduler=self.scheduler.state_dict(),
+            progress={
+                "step": self.progress.step,
+                "total_tokens": self.progress.total_tokens,
+                "total_samples": self.progress.total_samples,
+                "reward_mean": self.progress.reward_mean,
+            },
+            meta={"config_digest": self.config_digest, "idx": self.idx},
+        )
+
+
+def slot_seed(run_id: str, config_seed: int) -> int:
+    """The seed of a run's LoRA A initialisation: the same on every rank and every restart."""
+    return zlib.crc32(f"{run_id}:{config_seed}".encode())
+
+
+def create_run_state(
+    lora: MultiLoRA,
+    idx: int,
+    run_id: str,
+    config: OrchConfig,
+    config_digest: str,
+    checkpoint: Checkpoint | None = None,
+) -> RunState:
+    """Reset slot ``idx`` for ``run_id`` and build its optimizer and schedule, resuming from
+    ``checkpoint`` when given. Raises :class:`RunSetupError` when the run cannot be served."""
+    cfg = config.model.lora
+    if cfg.rank > lora.max_rank:
+        raise RunSetupError(
+            f"LoRA rank {cfg.rank} exceeds this trainer's max_lora_rank {lora.max_rank}; "
+            "resubmit the run with model.lora.rank <= that, or restart the trainer with a "
+            "larger --max-lora-rank"
+        )
+    lora.reset_slot(idx, cfg.rank, cfg.alpha, seed=slot_seed(run_id, config.seed))
+    params = lora.slot_parameters(idx)
+    optim = config.optim
+    optimizer = torch.optim.AdamW(
+        params,
+        lr=optim.lr,
+        betas=optim.betas,
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
+    )
+    scheduler = build_lr_scheduler(optimizer, optim, config.max_steps)
+    state = RunState(
+        idx=idx,
+        run_id=run_id,
+        config=config,
+        config_digest=config_digest,
+        target_modules=lora.target_modules,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        progress=Progress(step=0, total_tokens=0, total_samples=0),
+    )
+    if checkpoint is not None:
+        _restore(lora, state, checkpoint)
+    return state
+
+
+def _restore(lora: MultiLoRA, state: RunState, ckpt: Checkpoint) -> None:
+    cfg = state.config.model.lora
+    if ckpt.rank != cfg.rank:
+        raise RunSetupError(
+            f"checkpoint step_{ckpt.step} holds a rank-{ckpt.rank} adapter but the run's config "
+            f"asks for rank {cfg.rank}; a run's LoRA shape cannot change: submit it under a new id"
+        )
+    lora.load_slot_state_dict(state.idx, ckpt.adapter, ckpt.rank, cfg.alpha)
+    if _optimizer_state_fits(ckpt.optimizer, lora.slot_parameters(state.idx)):
+        state.optimizer.load_state_dict(ckpt.optimizer)
+    else:
+        # The slots changed shape (a different --max-lora-rank): the adapter itself still fits,
+        # only AdamW's moments must start again.
+        log.warning(
+            "trainer: %s: optimizer state of step_%d does not fit this trainer's slots; "
+            "restarting AdamW's moments",
+            state.run_id,
+            ckpt.step,
+        )
+    state.scheduler.load_state_dict(ckpt.scheduler)
+    state.progress = Progress(
+        step=ckpt.progress["step"],
+        total_tokens=ckpt.progress["total_tokens"],
+        total_samples=ckpt.progress["total_samples"],
+        reward_mean=ckpt.progress.get("reward_mean"),
+    )
+    state.committed_step = ckpt.step
+    state.resumed_from = ckpt.step
+
+
+def _optimizer_state_fits(saved: dict[str, object], params: Sequence[torch.Tensor]) -> bool:
+    moments = saved.get("state")
+    if not isinstance(moments, dict):
+        return False
+    for key, entry in moments.items():
+        if not isinstance(key, int) or not 0 <= key < len(params) or not isinstance(entry, dict):
+            return False
+        avg = entry.get("exp_avg")
+        if not isinstance(avg, torch.Tensor) or avg.shape != params[key].shape:
+            return False
+    return True
