@@ -152,9 +152,12 @@ def build_engine(settings: Any) -> Any:
 
 async def _serve(settings: Any, url: str) -> None:
     from services.bus import Bus, setup_tracing, stop_on_signals
+    from services.bus.tracing import shutdown_tracing
     from services.inference.service import InferenceService
+    from services.telemetry.metrics import setup_metrics
 
     setup_tracing(settings.service)
+    setup_metrics(settings.service)
     engine = build_engine(settings)
     bus = await Bus.connect(url, settings.service)
     try:
@@ -169,3 +172,4 @@ async def _serve(settings: Any, url: str) -> None:
         await service.run(stop_on_signals())
     finally:
         await bus.close()
+        shutdown_tracing()

@@ -41,6 +41,7 @@ from services.inference.requests import (
 )
 from services.inference.weights_follower import WeightsFollower
 from services.registry.mirror import RunMirror
+from services.telemetry.metrics import record_request_served, record_weight_sync
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +220,10 @@ class InferenceService:
             if len(self.installed_at) >= 4096:  # a bounded record: forget the oldest half
                 for key in list(self.installed_at)[:2048]:
                     del self.installed_at[key]
-            self.installed_at[(event.run_id, event.step)] = time.monotonic()
+            self.installed_at[(event.run_id, event.step)] = now = time.monotonic()
+            published = self.follower.published_at.get((event.run_id, event.step))
+            if published is not None:
+                record_weight_sync(event.run_id, now - published)
         else:
             self.ignored_versions += 1
 
@@ -243,6 +247,7 @@ class InferenceService:
             attributes={"messaging.destination": msg.subject, "replica": self.replica_name},
         ) as span:
             response = await self._answer(msg.data, headers, span)
+            record_request_served(response.run_id, ok=response.error is None)
             if response.error is not None:
                 self.errors += 1
                 span.set_status(Status(StatusCode.ERROR, response.error))

@@ -69,6 +69,8 @@ class WeightsFollower:
         """Adapters given up per run."""
         self.received_at: dict[tuple[str, int], float] = {}
         """``time.monotonic()`` at which each (run_id, step) announcement arrived."""
+        self.published_at: dict[tuple[str, int], float] = {}
+        """``time.monotonic()`` at which the stream stored each announcement (its publish)."""
         self._mailbox: dict[str, tuple[WeightsReady, dict[str, str]]] = {}
         self._workers: dict[str, asyncio.Task[None]] = {}
         self._sub: Any = None
@@ -108,7 +110,11 @@ class WeightsFollower:
         if len(self.received_at) >= 4096:  # a bounded record: forget the oldest half
             for key in list(self.received_at)[:2048]:
                 del self.received_at[key]
-        self.received_at[(event.run_id, event.step)] = time.monotonic()
+                self.published_at.pop(key, None)
+        self.received_at[(event.run_id, event.step)] = now = time.monotonic()
+        # When the stream stored the announcement, on this process's monotonic clock (the
+        # server's wall clock and ours are the same machine's, or NTP-close).
+        self.published_at[(event.run_id, event.step)] = now - max(0.0, _age(msg))
         self.submit(event, headers)
 
     def submit(self, event: WeightsReady, headers: dict[str, str] | None = None) -> None:
@@ -170,3 +176,11 @@ class WeightsFollower:
                 transport=event.transport,
                 location=event.location,
             )
+
+
+def _age(msg: Msg) -> float:
+    """Seconds since the stream stored ``msg`` (0 for a message without JetStream metadata)."""
+    try:
+        return time.time() - msg.metadata.timestamp.timestamp()
+    except Exception:
+        return 0.0

@@ -140,8 +140,10 @@ async def _serve(
     from services.bus.tracing import shutdown_tracing
     from services.config.loader import nats_url
     from services.orchestrator.run_loop import RunOrchestrator
+    from services.telemetry.metrics import setup_metrics
 
     setup_tracing("orchestrator")
+    setup_metrics("orchestrator")
     stop = stop_on_signals()
     try:
         bus = await Bus.connect(nats_url(args), "orchestrator")

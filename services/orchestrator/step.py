@@ -32,6 +32,7 @@ from services.orchestrator.client import GenerateClient, GenerationStopped
 from services.orchestrator.envs import Environment
 from services.orchestrator.metrics import StepMetrics, append_metrics, metrics_path, step_metrics
 from services.orchestrator.state import OrchestratorCheckpoint, checkpoint_path, write_checkpoint
+from services.telemetry.metrics import record_step
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,13 @@ class StepRunner:
 
     def _record(self, step: int, metrics: StepMetrics) -> None:
         append_metrics(self.metrics_path, metrics)
+        record_step(
+            self.run_id,
+            step=step,
+            reward_mean=metrics.reward_mean,
+            policy_lag=metrics.policy_lag,
+            tokens_per_s=metrics.tokens_per_s,
+        )
         write_checkpoint(
             self.checkpoint_path,
             OrchestratorCheckpoint(

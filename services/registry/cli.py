@@ -98,9 +98,12 @@ def run(args: argparse.Namespace) -> int:
 
 async def _serve(settings: Any, url: str) -> None:
     from services.bus import Bus, setup_tracing, stop_on_signals
+    from services.bus.tracing import shutdown_tracing
     from services.registry.service import Registry
+    from services.telemetry.metrics import setup_metrics
 
     setup_tracing(settings.service)
+    setup_metrics(settings.service)
     bus = await Bus.connect(url, settings.service)
     try:
         registry = Registry(bus, settings)
@@ -112,3 +115,4 @@ async def _serve(settings: Any, url: str) -> None:
         await registry.run(stop)
     finally:
         await bus.close()
+        shutdown_tracing()

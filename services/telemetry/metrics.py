@@ -1,0 +1,159 @@
+"""OpenTelemetry metrics with a Prometheus scrape endpoint, and the instruments plexrl records.
+
+``setup_metrics(service)`` installs the process-wide meter provider once. When
+``PLEXRL_METRICS_PORT`` (or the standard ``OTEL_EXPORTER_PROMETHEUS_PORT``) names a port, it
+also serves ``http://<host>:<port>/metrics`` in a background thread; the host is
+``PLEXRL_METRICS_HOST`` (or ``OTEL_EXPORTER_PROMETHEUS_HOST``), ``127.0.0.1`` by default. Unset
+or ``0`` serves nothing and every ``record_*`` below costs next to nothing. A port that cannot
+be bound is logged and the service runs on without the endpoint: losing metrics never stops
+training.
+
+The instruments are created on the global meter at import time, so callers record through the
+``record_*`` functions without caring whether metrics are on. Names are what Prometheus shows;
+the labels are the attributes passed here (see services/telemetry/README.md for the list).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+
+from opentelemetry import metrics
+from opentelemetry.metrics import Meter
+
+log = logging.getLogger(__name__)
+
+PORT_VARS = ("PLEXRL_METRICS_PORT", "OTEL_EXPORTER_PROMETHEUS_PORT")
+HOST_VARS = ("PLEXRL_METRICS_HOST", "OTEL_EXPORTER_PROMETHEUS_HOST")
+
+_served: tuple[str, int] | None = None
+_configured = False
+
+
+def metrics_address(environ: Mapping[str, str] | None = None) -> tuple[str, int] | None:
+    """``(host, port)`` to serve ``/metrics`` on, or None when metrics export is off."""
+    env = os.environ if environ is None else environ
+    raw = next((env[v].strip() for v in PORT_VARS if env.get(v, "").strip()), "0")
+    if not raw.isdigit() or int(raw) > 65535:
+        raise ValueError(f"{PORT_VARS[0]} must be a port number (0 turns metrics off), got {raw!r}")
+    host = next((env[v].strip() for v in HOST_VARS if env.get(v, "").strip()), "127.0.0.1")
+    return (host, int(raw)) if int(raw) else None
+
+
+def setup_metrics(service_name: str, environ: Mapping[str, str] | None = None) -> Meter:
+    """Install the meter provider (once per process) and serve ``/metrics`` if a port is set."""
+    global _configured, _served
+    address = metrics_address(environ)
+    # Only a call that names a port configures: the first such call in a process wins.
+    if not _configured and address is not None:
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.resources import Resource
+        from prometheus_client import start_http_server
+
+        env = os.environ if environ is None else environ
+        name = env.get("OTEL_SERVICE_NAME") or f"plexrl-{service_name}"
+        try:
+            start_http_server(address[1], addr=address[0])
+        except OSError as exc:
+            log.error(
+                "%s: cannot serve metrics on %s:%d (%s); running without them. Pick a free "
+                "port with %s.",
+                service_name,
+                *address,
+                exc,
+                PORT_VARS[0],
+            )
+        else:
+            provider = MeterProvider(
+                resource=Resource.create({"service.name": name}),
+                metric_readers=[PrometheusMetricReader()],
+            )
+            metrics.set_meter_provider(provider)
+            _served = address
+            log.info("%s: metrics on http://%s:%d/metrics", service_name, *address)
+        _configured = True
+    return metrics.get_meter(f"plexrl.{service_name}")
+
+
+def served_address() -> tuple[str, int] | None:
+    """Where this process serves ``/metrics``, once :func:`setup_metrics` started it."""
+    return _served
+
+
+# --- instruments -------------------------------------------------------------------------------
+# Created on the global (proxy) meter: they start recording once setup_metrics installs a provider.
+
+_meter = metrics.get_meter("plexrl")
+
+REWARD = _meter.create_gauge(
+    "plexrl_reward", description="mean reward of the run's latest published step"
+)
+STEP = _meter.create_gauge("plexrl_step", description="the run's latest published step")
+POLICY_LAG = _meter.create_gauge(
+    "plexrl_policy_lag",
+    description="steps between the batch's step and its oldest sample's policy version",
+)
+TOKENS_PER_SECOND = _meter.create_gauge(
+    "plexrl_tokens_per_second",
+    description="completion tokens per second of generation in the run's latest step",
+)
+QUEUE_DEPTH = _meter.create_gauge(
+    "plexrl_queue_depth",
+    description="messages pending for a durable consumer, as of its latest fetch",
+)
+WEIGHT_SYNC_LATENCY = _meter.create_histogram(
+    "plexrl_weight_sync_latency_seconds",
+    unit="s",
+    description="WeightsReady stored on the stream to the adapter installed in inference",
+    explicit_bucket_boundaries_advisory=[0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60],
+)
+REQUESTS_SERVED = _meter.create_counter(
+    "plexrl_requests_served", description="GenerateRequests answered by an inference replica"
+)
+INVALID_MESSAGES = _meter.create_counter(
+    "plexrl_invalid_messages",
+    description="messages terminated because they failed to decode or validate",
+)
+TRAINER_STEP_SECONDS = _meter.create_histogram(
+    "plexrl_trainer_step_seconds",
+    unit="s",
+    description="wall time of one run's optimizer step in the trainer, pack to optimizer",
+    explicit_bucket_boundaries_advisory=[0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60],
+)
+TRAINER_TOKENS = _meter.create_counter(
+    "plexrl_trainer_tokens", description="tokens trained on, per run"
+)
+
+
+def record_step(
+    run_id: str, *, step: int, reward_mean: float, policy_lag: int, tokens_per_s: float
+) -> None:
+    """An orchestrator published ``step`` of ``run_id``."""
+    labels = {"run_id": run_id}
+    STEP.set(step, labels)
+    REWARD.set(reward_mean, labels)
+    POLICY_LAG.set(policy_lag, labels)
+    TOKENS_PER_SECOND.set(tokens_per_s, labels)
+
+
+def record_queue_depth(service: str, consumer: str, pending: int) -> None:
+    QUEUE_DEPTH.set(pending, {"service": service, "consumer": consumer})
+
+
+def record_weight_sync(run_id: str, seconds: float) -> None:
+    WEIGHT_SYNC_LATENCY.record(max(seconds, 0.0), {"run_id": run_id})
+
+
+def record_request_served(run_id: str, *, ok: bool) -> None:
+    REQUESTS_SERVED.add(1, {"run_id": run_id, "outcome": "ok" if ok else "error"})
+
+
+def record_invalid(service: str, subject: str) -> None:
+    INVALID_MESSAGES.add(1, {"service": service, "subject": subject})
+
+
+def record_trainer_step(run_id: str, *, seconds: float, tokens: int) -> None:
+    TRAINER_STEP_SECONDS.record(max(seconds, 0.0), {"run_id": run_id})
+    TRAINER_TOKENS.add(tokens, {"run_id": run_id})

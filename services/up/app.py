@@ -1,0 +1,279 @@
+"""``plexrl up``: an embedded NATS server, every service, and several demo runs learning at once.
+
+Order of events: make sure the warm-started tiny model exists (built and cached on first use);
+start NATS (unless one is named); start the registry, inference and trainer as child
+processes; drive one orchestrator per demo run in this process; show one live row per run;
+when every run has trained all its steps (or on Ctrl-C), stop everything in reverse order and
+write a summary, a ``reward.png`` per run and ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.live import Live
+
+from services.bus import Bus, EmbeddedNats, setup_tracing, stop_on_signals
+from services.bus.tracing import shutdown_tracing
+from services.telemetry.metrics import metrics_address, setup_metrics
+from services.up.settings import UpSettings, default_cache_dir
+from services.up.supervisor import ChildFailed, Supervisor
+from services.up.view import RunView, live_table, plot_rewards, summary_table
+
+log = logging.getLogger(__name__)
+
+TINY_MODEL_VERSION = "v1"
+MAX_LORA_RANK = 16
+
+
+def ensure_tiny_model(console: Console, cache_dir: Path | None = None) -> Path:
+    """The warm-started tiny model, built once into the cache and reused afterwards."""
+    from services.model.pretrain import pretrain
+    from services.model.tiny import build_tiny_model
+
+    root = (cache_dir or default_cache_dir()) / "models"
+    final = root / f"tiny-{TINY_MODEL_VERSION}-seed0"
+    if (final / "pretrain.json").is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    work = root / f".building-{os.getpid()}"
+    shutil.rmtree(work, ignore_errors=True)
+    console.print(f"[bold]building the tiny model[/] (once; cached in {final}) ...")
+    build_tiny_model(work, seed=0)
+    started = time.monotonic()
+    pretrain(work, seed=0, log=lambda line: console.print(f"  pretrain: {line}"))
+    console.print(f"  warm start done in {time.monotonic() - started:.0f}s")
+    with contextlib.suppress(FileExistsError, OSError):
+        work.rename(final)  # another `plexrl up` may have won the race: use its copy
+    shutil.rmtree(work, ignore_errors=True)
+    return final
+
+
+def _demo_runs(settings: UpSettings) -> list[tuple[str, str]]:
+    out = []
+    for i in range(settings.runs):
+        env = settings.envs[i % len(settings.envs)]
+        lap = i // len(settings.envs)
+        name = env.replace(":", "_").replace(".", "_")
+        out.append((f"run_{name}" if lap == 0 else f"run_{name}_{lap + 1}", env))
+    return out
+
+
+async def run_up(settings: UpSettings, nats_url: str | None, console: Console) -> int:
+    output_dir = (
+        settings.output_dir or Path("outputs") / time.strftime("up-%Y%m%d-%H%M%S")
+    ).resolve()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = (settings.model or ensure_tiny_model(console)).resolve()
+    runs = _demo_runs(settings)
+    max_runs = max(settings.max_runs, len(runs))
+    console.print(f"output: {output_dir}\nmodel:  {model_dir}")
+
+    server: EmbeddedNats | None = None
+    if nats_url is None:
+        server = EmbeddedNats(store_dir=output_dir / "nats")
+        nats_url = server.start()
+        console.print(f"nats:   {nats_url} (embedded, store {server.store_dir})")
+    else:
+        console.print(f"nats:   {nats_url}")
+
+    sup = Supervisor(output_dir / "logs")
+    bus: Bus | None = None
+    stop = stop_on_signals()
+    ports = _child_metrics_ports()
+    try:
+        common = ["--nats-url", nats_url]
+        sizes = ["--max-runs", str(max_runs), "--max-lora-rank", str(MAX_LORA_RANK)]
+        sup.start(
+            "registry",
+            ["registry", "--output-dir", str(output_dir), *sizes, *common],
+            ports.get("registry"),
+        )
+        sup.start(
+            "inference",
+            [
+                "inference",
+                "--engine",
+                "torch",
+                "--model",
+                str(model_dir),
+                "--output-dir",
+                str(output_dir),
+                "--threads",
+                str(settings.inference_threads),
+                *sizes,
+                *common,
+            ],
+            ports.get("inference"),
+        )
+        sup.start(
+            "trainer",
+            [
+                "trainer",
+                "--model",
+                str(model_dir),
+                "--output-dir",
+                str(output_dir),
+                "--threads",
+                str(settings.trainer_threads),
+                "--weight-transport",
+                settings.weight_transport,
+                *sizes,
+                *common,
+            ],
+            ports.get("trainer"),
+        )
+        bus = await Bus.connect(nats_url, "up")
+        from services.model.loader import load_tokenizer
+        from services.orchestrator.run_loop import RunOrchestrator
+
+        tokenizer = load_tokenizer(model_dir)
+        await _wait_for_inference(bus, sup, console)
+        views, tasks = [], []
+        for seed, (run_id, env) in enumerate(runs):
+            config = settings.run_config(env, seed)
+            orch = RunOrchestrator(
+                bus,
+                run_id,
+                config,
+                output_dir=output_dir,
+                tokenizer=tokenizer,
+                submitted_by="plexrl up",
+            )
+            views.append(RunView(run_id, env, config.max_steps, orch.metrics_path))
+            tasks.append(asyncio.create_task(orch.run(stop), name=run_id))
+        results = await _watch(
+            views, tasks, sup, stop, console, live=settings.live and console.is_terminal
+        )
+    except ChildFailed as exc:
+        console.print(f"[red]plexrl up stopped: {exc}[/]")
+        return 1
+    finally:
+        stop.set()
+        sup.stop_all()
+        if bus is not None:
+            await bus.close()
+        if server is not None:
+            server.stop()
+
+    for view in views:
+        view.refresh()
+        plot_rewards(view)
+    console.print(summary_table(views))
+    summary = {
+        r.run_id: {
+            "status": r.status,
+            "steps": len(v.rows),
+            "reward_first_20pct": v.window_means()[0],
+            "reward_last_20pct": v.window_means()[1],
+            "reason": r.reason,
+        }
+        for r, v in zip(results, views, strict=True)
+    }
+    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    console.print(f"metrics, plots and logs under {output_dir}")
+    return max((r.exit_code for r in results), default=0)
+
+
+def _child_metrics_ports() -> dict[str, dict[str, str]]:
+    """With ``/metrics`` on port P here, the registry, inference and trainer serve P+1..P+3."""
+    address = metrics_address()
+    if address is None:
+        return {}
+    return {
+        name: {"PLEXRL_METRICS_PORT": str(address[1] + i), "OTEL_EXPORTER_PROMETHEUS_PORT": ""}
+        for i, name in enumerate(("registry", "inference", "trainer"), start=1)
+    }
+
+
+async def _wait_for_inference(
+    bus: Bus, sup: Supervisor, console: Console, timeout: float = 300.0
+) -> None:
+    """Block until an inference replica answers (an error reply for an unknown run will do)."""
+    from nats.errors import NoRespondersError
+    from nats.errors import TimeoutError as NatsTimeout
+
+    from schemas import GenerateRequest, GenerateResponse
+    from schemas.subjects import GENERATE
+
+    probe = GenerateRequest(
+        request_id="up-probe", run_id="run_up_probe", prompts=[[1]], max_tokens=1, timeout_s=1.0
+    )
+    deadline = time.monotonic() + timeout
+    with console.status("waiting for services to start ..."):
+        while time.monotonic() < deadline:
+            sup.check()
+            try:
+                await bus.request(GENERATE, probe, GenerateResponse, timeout=2.0)
+                return
+            except (NoRespondersError, NatsTimeout):
+                await asyncio.sleep(0.5)
+    raise ChildFailed(
+        f"no inference replica answered within {timeout:.0f}s; see {sup.log_dir}/inference.log"
+    )
+
+
+async def _watch(
+    views, tasks, sup: Supervisor, stop: asyncio.Event, console: Console, *, live: bool
+):  # type: ignore[no-untyped-def]
+    started = time.monotonic()
+    title = "plexrl up"
+    printed = {v.run_id: 0 for v in views}
+
+    def refresh() -> None:
+        for v, t in zip(views, tasks, strict=True):
+            v.refresh()
+            if t.done() and not t.cancelled() and t.exception() is None:
+                v.status = t.result().status
+            elif t.done():
+                v.status = "failed"
+            elif v.rows:
+                v.status = "training"
+
+    async def loop(update) -> None:  # type: ignore[no-untyped-def]
+        while not all(t.done() for t in tasks):
+            sup.check()
+            refresh()
+            update()
+            await asyncio.wait(tasks, timeout=0.5)
+        refresh()
+        update()
+
+    if live:
+        with Live(live_table(views, 0, title), console=console, refresh_per_second=4) as screen:
+            await loop(lambda: screen.update(live_table(views, time.monotonic() - started, title)))
+    else:
+
+        def log_lines() -> None:
+            for v in views:
+                for row in v.rows[printed[v.run_id] :]:
+                    console.print(
+                        f"{v.run_id} step {int(row['step']) + 1}/{v.max_steps} "
+                        f"reward {row['reward_mean']:.3f} lag {row.get('policy_lag', '-')}"
+                    )
+                printed[v.run_id] = len(v.rows)
+
+        await loop(log_lines)
+    return [t.result() for t in tasks]
+
+
+def main(settings: UpSettings, nats_url: str | None) -> int:
+    logging.basicConfig(
+        level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    # The orchestrators run in this process: its spans and metrics are the orchestrator's.
+    setup_tracing("orchestrator")
+    setup_metrics("orchestrator")
+    try:
+        return asyncio.run(run_up(settings, nats_url, Console()))
+    finally:
+        shutdown_tracing()

@@ -1,0 +1,73 @@
+"""Settings of ``plexrl up``: how many demo runs, how long, and the run config they share."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from schemas.config import OrchConfig, orch_config_from_dict
+
+DEMO_ENVS = ("reverse", "copy", "add")
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("PLEXRL_CACHE_DIR") or os.environ.get("XDG_CACHE_HOME")
+    return Path(base) / "plexrl" if base else Path.home() / ".cache" / "plexrl"
+
+
+class UpSettings(BaseModel):
+    """``plexrl up``: flags override the ``--config`` TOML, which overrides these defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    output_dir: Path | None = Field(None, description="default: ./outputs/up-<timestamp>")
+    runs: int = Field(3, ge=1, le=16, description="demo runs, cycling through the envs")
+    steps: int = Field(40, ge=1, le=100_000, description="RL steps per run")
+    max_async_level: int = Field(1, ge=0, le=16)
+    envs: list[str] = Field(default_factory=lambda: list(DEMO_ENVS))
+    model: Path | None = Field(
+        None, description="a Hugging Face model dir; default: the cached warm-started tiny model"
+    )
+    max_runs: int = Field(4, ge=1, le=64, description="adapter slots in trainer and inference")
+    trainer_threads: int = Field(1, ge=1, le=256)
+    inference_threads: int = Field(1, ge=1, le=256)
+    weight_transport: str = Field("object_store", pattern="^(object_store|filesystem)$")
+    live: bool = Field(True, description="show the live table (off when stdout is not a terminal)")
+    run: dict[str, Any] = Field(
+        default_factory=dict,
+        description="orch.toml keys applied to every demo run (e.g. [run.optim] lr = 2e-3)",
+    )
+
+    def run_config(self, env: str, seed: int) -> OrchConfig:
+        """The config of one demo run: tuned defaults, then ``[run]`` overrides, then the flags."""
+        base: dict[str, Any] = {
+            "env": env,
+            "seed": seed,
+            "max_steps": self.steps,
+            "max_async_level": self.max_async_level,
+            "batch_size": 8,
+            "group_size": 8,
+            "model": {"lora": {"rank": 8, "alpha": 16.0}},
+            "optim": {"lr": 2e-3},
+            "sampling": {"temperature": 1.0, "max_tokens": 10},
+            "ckpt": {"interval": 10},
+        }
+        merged = _deep_merge(base, self.run)
+        merged["env"], merged["max_steps"], merged["max_async_level"] = (
+            env,
+            self.steps,
+            self.max_async_level,
+        )
+        return orch_config_from_dict(merged)
+
+
+def _deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = (
+            _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        )
+    return out
