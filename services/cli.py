@@ -12,7 +12,7 @@ import importlib
 import sys
 
 COMMAND_MODULES = [
-    "services.up_cli",
+    "services.up.cli",
     "services.registry.cli",
     "services.trainer.cli",
     "services.inference.cli",
