@@ -143,7 +143,11 @@ class _Oracle(torch.nn.Module):
         seen = past_key_values or [[] for _ in range(len(input_ids))]
         logits = torch.zeros(len(input_ids), 1, self.vocab)
         for i, row in enumerate(input_ids.tolist()):
-            real = [t for t, keep in zip(row, attention_mask[i, -len(row) :].tolist()) if keep]
+            real = [
+                t
+                for t, keep in zip(row, attention_mask[i, -len(row) :].tolist(), strict=True)
+                if keep
+            ]
             seen[i] = seen[i] + real
             assert seen[i][0] == self.tokenizer.bos_token_id
             text = decode_ids(self.tokenizer, seen[i][1:], skip_special_tokens=False)
