@@ -78,7 +78,7 @@ def test_load_model_explains_a_directory_without_config(tmp_path):
 
 
 def test_cli_writes_the_model_and_prints_a_summary(tiny_dir, tmp_path, capsys):
-    assert main(["model", "tiny", str(tmp_path / "cli"), "--seed", "0"]) == 0
+    assert main(["model", "tiny", str(tmp_path / "cli"), "--seed", "0", "--no-pretrain"]) == 0
     line = capsys.readouterr().out.strip()
     model, _ = load_model(tmp_path / "cli")
     count = sum(p.numel() for p in model.parameters())
