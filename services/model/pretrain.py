@@ -7,28 +7,39 @@ headroom that a run's LoRA adapter then climbs.
 
 Method. Next-token prediction (cross-entropy, mean over tokens) on ``<bos> + demonstration +
 <eos>``, the demonstrations drawn round-robin from the environments (``Environment.prompt``,
-split into prompt text and target so that only the answer is corrupted). The loss covers the
-prompt as well as the answer (``prompt_loss``): measured on the tiny model, the clean phase then
-reaches a sampled reward of 0.94 on ``reverse`` after 640 steps against 0.45 with an answer-only
-loss. Two phases, with AdamW, linear warm-up and cosine decay over the whole run:
+split into prompt text and target so that only the answer is corrupted). AdamW, linear warm-up
+and cosine decay over the whole run, in two phases:
 
-1. clean (the first ``1 - noisy_fraction`` of the steps): exact answers, so the model learns
-   each task;
-2. noisy (the rest): each answer character is replaced, with probability ``noise``, by a random
-   character of that task's answer alphabet (the characters its targets use), and with
-   probability ``noise / 3`` the answer loses its last character or gains a random one.
+1. clean (the first ``1 - noisy_fraction`` of the steps), all weights: exact answers, so the
+   model learns each task (1,050 clean steps alone reach a sampled reward of 0.99 on
+   ``reverse`` and ``copy`` and 0.88 on ``add``);
+2. noisy (the rest), only the read-out (the last block's MLP and the final norm): each answer
+   character is replaced, with probability ``noise``, by a random character of that task's
+   answer alphabet (the characters its targets use), and with probability ``noise / 3`` the
+   answer loses its last character or gains a random one.
 
-The noisy phase recalibrates the output distribution, not the circuits: afterwards the most
-likely answer is still mostly the right one (a sampled reward of ~0.7 at temperature 0.3) while
-sampling at temperature 1 is partly right (~0.2-0.4 per task), so a group of completions holds
-different rewards and group-relative advantages are non-zero from the first RL step.
-Corrupting from the first step instead dilutes the signal so much that the model never learns
-the tasks in the same budget (sampled reward ~0.15 and ~0.4 at temperature 0.3).
+The noisy phase flattens the output distribution without rewriting the circuits that solve the
+tasks: the most likely answer stays mostly right (reward 0.66-0.93 at temperature 0.3) while
+sampling at temperature 1 is partly right (0.2-0.35 per task), so a group of completions holds
+different rewards and group-relative advantages are non-zero from the first RL step; what RL
+then has to learn is to sharpen, which a LoRA adapter does in tens of steps. Measured
+alternatives, with the same budget:
+
+- corrupting from the first step (tried at noise 0.6): the signal is too diluted to learn the
+  tasks (reward ~0.15, and only ~0.4 at temperature 0.3);
+- a noisy phase on all weights: ``add``'s 100 memorised sums drift towards the middle of the
+  digit range (the greedy answer is right for 53-72 of them, against 84-88 with the read-out
+  alone), which caps how far RL climbs on ``add``;
+- loss on the answer alone: the clean phase learns ``reverse`` and ``copy`` more slowly (0.81
+  against 0.99 after 1,050 steps; ``add`` 0.996 against 0.88, but its greedy answer is right
+  for all 100 sums either way), so the loss covers the prompt too (``prompt_loss``).
 
 The run is deterministic: data come from string-seeded ``random.Random`` streams, torch runs
 with deterministic algorithms and a fixed thread count, so the same seed gives bit-identical
 weights (on the same torch build and CPU). The caller's RNG, thread count and determinism
-setting are restored afterwards.
+setting are restored afterwards. One thread is the default: for a model this small a second
+one gains little, and when another process keeps one of two cores busy, two OpenMP threads
+wait on each other and a step takes 3-8 times longer (measured: 36-52 ms against 127-291 ms).
 
 Prompt format, shared with the orchestrator and the inference services: a prompt is
 ``[<bos>] + encode_text(prompt.text)`` (``<bos>`` where the tokenizer has one), the completion
@@ -62,7 +73,7 @@ DEFAULT_NOISE = 0.7
 DEFAULT_BATCH_SIZE = 48
 DEFAULT_LR = 3e-3
 DEFAULT_NOISY_FRACTION = 0.3
-DEFAULT_NUM_THREADS = 2
+DEFAULT_NUM_THREADS = 1
 DEFAULT_MAX_TOKENS = 12
 
 PRETRAIN_FILE = "pretrain.json"
@@ -78,7 +89,8 @@ _EVAL_PROMPTS = 128
 
 @dataclass(frozen=True, kw_only=True)
 class PretrainReport:
-    """What a pre-training run did; everything but ``seconds`` is also in ``pretrain.json``."""
+    """What a pre-training run did; ``pretrain.json`` holds the same but for the per-step losses
+    and the time taken, so that the same seed writes the same directory, byte for byte."""
 
     path: Path
     steps: int
@@ -108,12 +120,9 @@ def corrupt_answer(answer: str, alphabet: str, noise: float, rng: random.Random)
     """
     chars = [rng.choice(alphabet) if rng.random() < noise else c for c in answer]
     jitter = rng.random()
-    import os
-
-    ln = float(os.environ.get("LN", noise / 3)) if noise > 0 else 0.0
-    if jitter < ln / 2 and len(chars) > 1:
+    if jitter < noise / 6 and len(chars) > 1:
         chars.pop()
-    elif ln / 2 <= jitter < ln:
+    elif noise / 6 <= jitter < noise / 3:
         chars.append(rng.choice(alphabet))
     return "".join(chars)
 
@@ -121,25 +130,6 @@ def corrupt_answer(answer: str, alphabet: str, noise: float, rng: random.Random)
 def answer_alphabet(env: Environment, num_prompts: int = 256) -> str:
     """The characters the targets of ``env``'s first prompts use, sorted."""
     return "".join(sorted({c for i in range(num_prompts) for c in env.prompt(i).target}))
-
-
-@dataclass(frozen=True)
-class DemonstrationBatch:
-    """One training batch: right-padded ids, where the answers are, and what to predict.
-
-    ``targets_BTV[b, t]`` is the distribution token ``t`` of row ``b`` is trained towards: the
-    token itself, except at a corrupted answer's character positions, where it is the expected
-    target under the corruption, ``(1 - noise) * onehot(right character) + noise *
-    uniform(alphabet)``. Training towards the expectation rather than the drawn character gives
-    the same calibrated model without fitting each draw, which matters for ``add``: its answers
-    are 100 memorised facts, and fitting drawn digits overwrites them (the greedy answer was
-    right for only 60 of the 100 sums after a noisy phase with drawn targets).
-    """
-
-    ids_BT: torch.Tensor
-    answer_BT: torch.Tensor
-    """Answer and ``<eos>`` positions."""
-    targets_BTV: torch.Tensor
 
 
 class DemonstrationStream:
@@ -161,12 +151,12 @@ class DemonstrationStream:
         self.batch_size = batch_size
         self.seed = seed
 
-    def batch(self, step: int, noise: float) -> DemonstrationBatch:
-        """Batch ``step``, its answers corrupted with probability ``noise`` (see corrupt_answer)."""
+    def batch(self, step: int, noise: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids_BT, answer_BT)``: right-padded token ids and a mask of answer + ``<eos>``."""
         rng = random.Random(f"pretrain-noise:{self.seed}:{step}")
         rows_per_env = math.ceil(self.batch_size / len(self.envs))
         eos = int(self.tokenizer.eos_token_id)
-        rows: list[tuple[list[int], list[int], list[int], list[int]]] = []
+        rows: list[tuple[list[int], list[int]]] = []
         for row in range(self.batch_size):
             which = row % len(self.envs)
             prompt = self.envs[which].prompt(step * rows_per_env + row // len(self.envs))
@@ -175,40 +165,22 @@ class DemonstrationStream:
                 (
                     prompt_ids(self.tokenizer, prompt.text),
                     [*encode_text(self.tokenizer, answer), eos],
-                    encode_text(self.tokenizer, prompt.target),
-                    encode_text(self.tokenizer, self.alphabets[which]),
                 )
             )
-        width = max(len(p) + len(a) for p, a, _, _ in rows)
+        width = max(len(p) + len(a) for p, a in rows)
         ids_BT = torch.full((len(rows), width), int(self.tokenizer.pad_token_id))
         answer_BT = torch.zeros(len(rows), width, dtype=torch.bool)
-        for i, (p, a, _, _) in enumerate(rows):
+        for i, (p, a) in enumerate(rows):
             ids_BT[i, : len(p) + len(a)] = torch.tensor(p + a)
             answer_BT[i, len(p) : len(p) + len(a)] = True
-        targets_BTV = torch.nn.functional.one_hot(ids_BT, len(self.tokenizer)).float()
-        if noise > 0 and not __import__("os").environ.get("SAMPLED"):
-            for i, (p, a, right, alphabet) in enumerate(rows):
-                # Only characters present in both the drawn and the right answer; a dropped or
-                # appended character keeps its drawn target, so the model sees both stop early
-                # and stop late.
-                for k in range(min(len(a) - 1, len(right))):
-                    target_V = targets_BTV[i, len(p) + k]
-                    target_V.zero_()
-                    target_V[alphabet] = noise / len(alphabet)
-                    target_V[right[k]] += 1.0 - noise
-        return DemonstrationBatch(ids_BT=ids_BT, answer_BT=answer_BT, targets_BTV=targets_BTV)
+        return ids_BT, answer_BT
 
 
-def lm_loss(model: Any, batch: DemonstrationBatch, loss_BT: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy between ``batch.targets_BTV`` and the model's next-token predictions.
-
-    ``loss_BT`` marks the positions whose token is predicted (the prediction comes from the
-    position before).
-    """
-    logits_BTV = model(input_ids=batch.ids_BT).logits[:, :-1]
-    mask_BT = loss_BT[:, 1:]
-    logprobs_NV = torch.log_softmax(logits_BTV[mask_BT].float(), dim=-1)
-    return -(batch.targets_BTV[:, 1:][mask_BT] * logprobs_NV).sum(dim=-1).mean()
+def lm_loss(model: Any, ids_BT: torch.Tensor, loss_BT: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the positions ``loss_BT`` marks (as targets)."""
+    logits_BTV = model(input_ids=ids_BT).logits[:, :-1]
+    targets_BT, mask_BT = ids_BT[:, 1:], loss_BT[:, 1:]
+    return torch.nn.functional.cross_entropy(logits_BTV[mask_BT], targets_BT[mask_BT])
 
 
 @torch.no_grad()
@@ -325,7 +297,8 @@ def pretrain(
 ) -> PretrainReport:
     """Pre-train the model in ``model_dir`` in place and write ``pretrain.json`` beside it.
 
-    See the module docstring for the method. ``log`` receives a progress line (mean loss of the
+    See the module docstring for the method. The defaults take about 50 s on one CPU core.
+    ``log`` receives a progress line (mean loss of the
     last steps) ten times per run. The directory is swapped whole at the end, so a reader sees
     either the old model or the pre-trained one with its ``pretrain.json``, never a mix.
     """
@@ -359,6 +332,7 @@ def pretrain(
         "batch_size": batch_size,
         "lr": lr,
         "prompt_loss": prompt_loss,
+        "num_threads": num_threads,
         "final_loss": final_loss,
         "rewards": rewards,
         "eval": {
@@ -383,6 +357,16 @@ def pretrain(
     )
 
 
+def readout_parameters(model: Any) -> list[torch.nn.Parameter]:
+    """The parameters the noisy phase trains: the last decoder block's MLP and the final norm.
+
+    Named for the Llama layout (``model.model.layers``, ``model.model.norm``) the tiny model
+    uses; the embeddings are tied to the output head, so they stay frozen with the rest.
+    """
+    modules = (model.model.layers[-1].mlp, model.model.norm)
+    return [param for module in modules for param in module.parameters()]
+
+
 def _train(
     model: Any,
     stream: DemonstrationStream,
@@ -404,14 +388,14 @@ def _train(
             group["lr"] = (
                 lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
             )
-        if step == first_noisy and __import__("os").environ.get("READOUT"):
+        if step == first_noisy:
+            # Frozen parameters keep a None gradient, which AdamW and clipping skip.
             model.requires_grad_(False)
-            for m in (model.model.layers[-1].mlp, model.model.norm):
-                m.requires_grad_(True)
-        batch = stream.batch(step, noise if step >= first_noisy else 0.0)
-        pad = stream.tokenizer.pad_token_id
-        loss_BT = batch.ids_BT != pad if prompt_loss else batch.answer_BT
-        loss = lm_loss(model, batch, loss_BT)
+            for param in readout_parameters(model):
+                param.requires_grad_(True)
+        ids_BT, answer_BT = stream.batch(step, noise if step >= first_noisy else 0.0)
+        loss_BT = ids_BT != stream.tokenizer.pad_token_id if prompt_loss else answer_BT
+        loss = lm_loss(model, ids_BT, loss_BT)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

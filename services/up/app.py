@@ -31,7 +31,7 @@ from services.up.view import RunView, live_table, plot_rewards, summary_table
 
 log = logging.getLogger(__name__)
 
-TINY_MODEL_VERSION = "v1"
+TINY_MODEL_VERSION = "v2"
 MAX_LORA_RANK = 16
 
 
