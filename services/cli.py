@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     if func is None:
         parser.print_help()
         return 0
+    from services.model.host import tune_allocator
+
+    tune_allocator()  # before any large tensor exists; see services/model/host.py
     try:
         return int(func(args) or 0)
     except KeyboardInterrupt:
