@@ -5,7 +5,9 @@ that order of precedence (see :mod:`services.trainer.settings`). ``SIGTERM`` / `
 it cleanly: the step under way finishes and is committed, held batches go back to the server.
 Under ``torchrun`` every rank runs this same command (gloo on CPU, NCCL with ``--device cuda``).
 
-Exit status: 0 after a clean stop, 1 when NATS cannot be reached, 2 for unusable settings.
+Exit status: 0 after a clean stop, 1 when NATS cannot be reached, 2 for unusable settings
+(a weight transport this machine cannot run, for one: ``ucx`` without ucxx, ``collective``
+without torch.distributed, a UCX port already taken).
 """
 
 from __future__ import annotations
@@ -38,8 +40,17 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--max-runs", type=int, help="adapter slots, as the registry's pool")
     parser.add_argument(
         "--weight-transport",
-        choices=["object_store", "filesystem"],
+        choices=["object_store", "filesystem", "ucx", "collective"],
         help="how adapters travel (env PLEXRL_WEIGHT_TRANSPORT, default object_store)",
+    )
+    parser.add_argument(
+        "--ucx-host", help="ucx: the address replicas reach this trainer at (default 127.0.0.1)"
+    )
+    parser.add_argument("--ucx-port", type=int, help="ucx: listener port (default 0: any free)")
+    parser.add_argument("--collective-host", help="collective: rendezvous address")
+    parser.add_argument("--collective-port", type=int, help="collective: rendezvous port")
+    parser.add_argument(
+        "--collective-bucket-bytes", type=int, help="collective: bytes per broadcast"
     )
     parser.add_argument(
         "--micro-batch-tokens", type=int, help="padded tokens per micro-batch (default 8192)"
@@ -69,6 +80,11 @@ def run(args: argparse.Namespace) -> int:
         "output_dir": args.output_dir,
         "max_runs": args.max_runs,
         "weight_transport": args.weight_transport,
+        "ucx_host": args.ucx_host,
+        "ucx_port": args.ucx_port,
+        "collective_host": args.collective_host,
+        "collective_port": args.collective_port,
+        "collective_bucket_bytes": args.collective_bucket_bytes,
         "micro_batch_tokens": args.micro_batch_tokens,
         "max_lora_rank": args.max_lora_rank,
         "target_modules": args.target_modules,
@@ -81,6 +97,12 @@ def run(args: argparse.Namespace) -> int:
         settings = load_settings(TrainerSettings, args.config, overrides)
     except SettingsError as exc:
         print(f"plexrl trainer: {exc}", file=sys.stderr)
+        return 2
+    from services.weights.transport import unavailable_reason
+
+    reason = unavailable_reason(settings.weight_transport)
+    if reason is not None:
+        print(f"plexrl trainer: {reason}", file=sys.stderr)
         return 2
     if not (settings.model / "config.json").is_file():
         print(
@@ -102,6 +124,7 @@ def _main(settings: Any, url: str) -> int:
     from services.bus import BusUnavailable, setup_tracing
     from services.bus.tracing import shutdown_tracing
     from services.trainer.distributed import close_ranks, init_ranks
+    from services.weights.errors import TransportUnavailable
 
     if settings.device == "cuda" and not torch.cuda.is_available():
         print("plexrl trainer: --device cuda, but torch sees no CUDA device", file=sys.stderr)
@@ -117,6 +140,9 @@ def _main(settings: Any, url: str) -> int:
     except BusUnavailable as exc:
         print(f"plexrl trainer: {exc}", file=sys.stderr)
         return 1
+    except TransportUnavailable as exc:
+        print(f"plexrl trainer: {exc}", file=sys.stderr)
+        return 2
     finally:
         shutdown_tracing()
         close_ranks(ranks)

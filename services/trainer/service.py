@@ -40,6 +40,8 @@ from services.trainer.settings import TrainerSettings
 from services.trainer.state import RunSetupError, RunState, create_run_state
 from services.trainer.step import StepExecutor, StepReport
 from services.weights import WeightPublisher
+from services.weights.errors import TransportUnavailable
+from services.weights.transport import unavailable_reason
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +97,7 @@ class Trainer:
         self._pool = ThreadPoolExecutor(1, "trainer-step", initializer=self._init_worker)
         self.intake: Intake | None = None
         self.committer: Committer | None = None
+        self.publisher: WeightPublisher | None = None
         if ranks.is_main:
             consumer: Consumer[RolloutBatch] = Consumer(
                 bus,
@@ -106,17 +109,12 @@ class Trainer:
                 max_ack_pending=100_000,
             )
             self.intake = Intake(bus, consumer, unknown_run_hold=settings.unknown_run_hold)
-            publisher = WeightPublisher(
-                bus,
-                settings.output_dir,
-                transport=settings.weight_transport,
-                keep_last=settings.keep_weights,
-            )
+            self.publisher = build_publisher(settings, bus)
             self.committer = Committer(
                 bus,
                 lora,
                 self.mirror,
-                publisher,
+                self.publisher,
                 settings.output_dir,
                 base_model_path=str(settings.model),
             )
@@ -164,6 +162,9 @@ class Trainer:
     # --- running --------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        if self.publisher is not None:
+            # A weight transport that cannot run (a UCX port taken) fails here, not at step 1.
+            await self.publisher.start()
         await self.mirror.start()
         await self.mirror.wait_until_caught_up(timeout=30.0)
         if self.intake is not None:
@@ -220,6 +221,8 @@ class Trainer:
             await self.intake.release()
             await self.intake.consumer.close()
         await self.mirror.stop()
+        if self.publisher is not None:
+            await self.publisher.close()
         self._pool.shutdown(wait=True)
 
     # --- inside a step boundary -----------------------------------------------------------------
@@ -285,6 +288,37 @@ class Trainer:
 
 
 # --- assembling a trainer ---------------------------------------------------------------------
+
+
+def build_publisher(settings: TrainerSettings, bus: Bus) -> WeightPublisher:
+    """The weight publisher of ``settings.weight_transport``, its sender built for a direct one.
+
+    Whether the transport can run here is checked first (``plexrl trainer`` checks it before
+    connecting); an unusable one raises :class:`TransportUnavailable` with the reason.
+    """
+    transport = settings.weight_transport
+    reason = unavailable_reason(transport)
+    if reason is not None:
+        raise TransportUnavailable(reason)
+    sender = None
+    if transport == "collective":
+        from services.weights.collective import CollectiveSender
+
+        sender = CollectiveSender(
+            bus,
+            settings.collective_host,
+            settings.collective_port,
+            settings.collective_bucket_bytes,
+        )
+    return WeightPublisher(
+        bus,
+        settings.output_dir,
+        transport=transport,
+        keep_last=settings.keep_weights,
+        sender=sender,
+        ucx_host=settings.ucx_host,
+        ucx_port=settings.ucx_port,
+    )
 
 
 def build_model(settings: TrainerSettings, device: torch.device) -> tuple[Any, MultiLoRA, int, int]:

@@ -2,7 +2,8 @@
 
 Precedence, lowest first: defaults, ``--config FILE`` (TOML), ``PLEXRL_<FIELD>`` environment
 variables (``PLEXRL_MODEL``, ``PLEXRL_OUTPUT_DIR``, ``PLEXRL_MAX_RUNS``,
-``PLEXRL_WEIGHT_TRANSPORT``, ``PLEXRL_TARGET_MODULES`` as a comma-separated list...), then
+``PLEXRL_WEIGHT_TRANSPORT``, ``PLEXRL_UCX_HOST``, ``PLEXRL_UCX_PORT``, ``PLEXRL_COLLECTIVE_PORT``,
+``PLEXRL_TARGET_MODULES`` as a comma-separated list...), then
 command-line flags. This module imports no torch, so ``plexrl trainer --help`` stays instant.
 """
 
@@ -74,8 +75,39 @@ class TrainerSettings(BaseModel):
     micro_batch_tokens: int = Field(
         8192, ge=16, le=1 << 24, description="padded tokens per micro-batch (rows * longest row)"
     )
-    weight_transport: Literal["object_store", "filesystem"] = Field(
-        "object_store", description="how WeightsReady adapters travel"
+    weight_transport: Literal["object_store", "filesystem", "ucx", "collective"] = Field(
+        "object_store",
+        description="how WeightsReady adapters travel: object_store, filesystem, ucx (needs "
+        "the ucx extra) or collective (torch.distributed)",
+    )
+    ucx_host: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        max_length=253,
+        description="ucx: the trainer's address as replicas reach it, written into each "
+        "WeightsReady location (the listener accepts on every interface)",
+    )
+    ucx_port: int = Field(
+        0, ge=0, le=65535, description="ucx: the listener's port; 0 takes any free one"
+    )
+    collective_host: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        max_length=253,
+        description="collective: the address of the group's rendezvous on the trainer",
+    )
+    collective_port: int = Field(
+        29510,
+        ge=1,
+        le=65535,
+        description="collective: the rendezvous port; replicas join there at start-up, so it "
+        "is fixed (not torchrun's 29500, which the trainer's own ranks may use)",
+    )
+    collective_bucket_bytes: int = Field(
+        32 << 20,
+        ge=1 << 10,
+        le=1 << 34,
+        description="collective: bytes broadcast at a time (tensors are packed into buckets)",
     )
     keep_weights: int = Field(
         3, ge=1, le=1000, description="adapter versions kept per run in the weight transport"

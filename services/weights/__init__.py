@@ -6,6 +6,10 @@
   publishes WeightsReady and removes old versions.
 - :mod:`services.weights.loader`: the inference side; fetches what a WeightsReady announces and
   checks its size and digest before parsing it.
+- :mod:`services.weights.stream`: a state dict as a safetensors byte stream, encoded and decoded
+  in place, for the direct transports.
+- :mod:`services.weights.transport`: the sender and fetcher interfaces of a direct transport.
+- :mod:`services.weights.ucx`: the ``ucx`` transport (imports ucxx only when used).
 """
 
 from services.weights.loader import WeightsError, load_weights
@@ -17,14 +21,22 @@ from services.weights.object_store import (
     put_blob,
 )
 from services.weights.publisher import WeightPublisher
+from services.weights.stream import CHUNK_BYTES, EncodedStream, StreamDecoder
+from services.weights.transport import WeightFetcher, WeightSender, unavailable_reason
 
 __all__ = [
+    "CHUNK_BYTES",
     "BlobError",
     "BlobNotFoundError",
+    "EncodedStream",
+    "StreamDecoder",
+    "WeightFetcher",
     "WeightPublisher",
+    "WeightSender",
     "WeightsError",
     "delete_blob",
     "get_blob",
     "load_weights",
     "put_blob",
+    "unavailable_reason",
 ]

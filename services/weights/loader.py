@@ -1,7 +1,9 @@
 """Fetch the adapter a WeightsReady event announces, and refuse it unless it is intact.
 
-Inference calls :func:`load_weights` for each WeightsReady it receives. The bytes are checked
-against the event before they are parsed: their size against ``size_bytes`` and their sha256
+Inference calls :func:`load_weights` for each WeightsReady it receives. ``object_store`` and
+``filesystem`` are read here; a direct transport (``ucx``, ``collective``) is received by its
+:class:`~services.weights.transport.WeightFetcher`. The bytes are checked against the event
+before they are parsed: their size against ``size_bytes`` and their sha256
 against ``digest``. Whatever goes wrong (a missing or garbage-collected object, a truncated file,
 a digest mismatch, a path outside the output directory, bytes that are not an adapter) raises
 :class:`WeightsError` naming the run, the step and what was wrong, so the caller reports one
@@ -11,6 +13,7 @@ clear error and keeps serving the adapter it already has.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from pathlib import Path
 
 import nats.errors
@@ -24,22 +27,39 @@ from services.model.peft_io import (
     adapter_from_bytes,
     sha256_digest,
 )
+from services.weights.errors import WeightsError
 from services.weights.object_store import BlobError, read_blob
+from services.weights.transport import WeightFetcher
 
-
-class WeightsError(RuntimeError):
-    """An announced adapter that cannot be used; the message says which run, step and why."""
+__all__ = ["WeightsError", "load_weights"]
 
 
 async def load_weights(
-    bus: Bus, event: WeightsReady, output_dir: Path | None = None
+    bus: Bus,
+    event: WeightsReady,
+    output_dir: Path | None = None,
+    fetchers: Mapping[str, WeightFetcher] | None = None,
 ) -> dict[str, Tensor]:
     """The adapter state dict (PEFT key names, CPU tensors) that ``event`` announces.
 
     ``output_dir``, when given, confines the filesystem transport: a location that does not
     resolve inside it is refused, so an event cannot make a replica read an arbitrary file.
+    ``fetchers`` maps a transport name to the :class:`WeightFetcher` that receives it (a
+    collective group joined at start-up, a UCX client with its own timeouts); ``ucx`` without
+    one uses a client shared by the event loop, and any other direct transport without one is
+    refused as not available.
     """
     where = f"weights for {event.run_id} step {event.step}"
+    fetcher = (fetchers or {}).get(event.transport)
+    if fetcher is None and event.transport == "ucx":
+        from services.weights.ucx import default_client
+
+        fetcher = default_client()
+    if fetcher is not None:
+        # A fetcher receives the stream in place and checks its size and digest itself.
+        state = await fetcher.fetch(event)
+        _check_rank(where, event, state)
+        return state
     match event.transport:
         case "object_store":
             try:
@@ -55,7 +75,10 @@ async def load_weights(
             # Off the event loop: hashing a large adapter takes tens of milliseconds.
             digest = await asyncio.to_thread(sha256_digest, data)
         case other:
-            raise WeightsError(f"{where}: transport {other!r} is not available in this build")
+            raise WeightsError(
+                f"{where}: transport {other!r} is not available in this process (no fetcher "
+                "for it was set up; a collective replica joins its group at start-up)"
+            )
     if digest != event.digest:
         raise WeightsError(
             f"{where}: digest mismatch: announced {event.digest} but the {len(data)} stored bytes "

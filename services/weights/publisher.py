@@ -5,7 +5,12 @@ serialised as safetensors with PEFT key names and stored by the configured trans
 
 - ``object_store``: key ``<run_id>/step_<n>`` in ``plexrl-weights``;
 - ``filesystem``: ``{output_dir}/<run_id>/broadcast/step_<n>/``, a PEFT directory written
-  atomically, which vLLM and PEFT load as it is.
+  atomically, which vLLM and PEFT load as it is;
+- ``ucx`` and ``collective``: handed as an :class:`~services.weights.stream.EncodedStream` (the
+  safetensors bytes as views of the snapshot, never assembled) to a
+  :class:`~services.weights.transport.WeightSender`, which says where replicas find it: a
+  :class:`~services.weights.ucx.UcxWeightServer` built here for ``ucx``, the caller's
+  ``CollectiveSender`` for ``collective``.
 
 Then a WeightsReady event goes to ``plexrl.weights.<run_id>`` (message id
 ``<run_id>/weights/step_<n>``), carrying the sha256 digest and size of the stored safetensors
@@ -37,10 +42,12 @@ from services.model.peft_io import (
     write_peft_dir,
 )
 from services.weights.object_store import BlobError, delete_blob, list_keys, write_blob
+from services.weights.stream import EncodedStream
+from services.weights.transport import WeightSender
 
 log = logging.getLogger(__name__)
 
-PublishTransport = Literal["object_store", "filesystem"]
+PublishTransport = Literal["object_store", "filesystem", "ucx", "collective"]
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _NO_DIGEST = "sha256:" + "0" * 64
 
@@ -54,16 +61,33 @@ class WeightPublisher:
         output_dir: Path,
         transport: PublishTransport = "object_store",
         keep_last: int = 3,
+        *,
+        sender: WeightSender | None = None,
+        ucx_host: str = "127.0.0.1",
+        ucx_port: int = 0,
     ) -> None:
-        if transport not in ("object_store", "filesystem"):
+        if transport not in ("object_store", "filesystem", "ucx", "collective"):
             raise ValueError(
                 f"weight transport {transport!r} cannot be published by this build: use "
-                "'object_store' or 'filesystem'"
+                "'object_store', 'filesystem', 'ucx' or 'collective'"
             )
         if keep_last < 1:
             raise ValueError(
                 f"keep_last must be at least 1 (the version announced), got {keep_last}"
             )
+        if sender is None and transport == "ucx":
+            from services.weights.ucx import UcxWeightServer
+
+            sender = UcxWeightServer(ucx_host, ucx_port, keep_last)
+        if sender is None and transport == "collective":
+            raise ValueError(
+                "weight transport 'collective' needs its sender: pass "
+                "sender=CollectiveSender(bus, host, port) from services.weights.collective"
+            )
+        if sender is not None and transport in ("object_store", "filesystem"):
+            raise ValueError(f"weight transport {transport!r} takes no sender")
+        self.sender = sender
+        self._started = False
         self.bus = bus
         # Absolute, because the location goes to other processes with other working directories.
         self.output_dir = Path(output_dir).absolute()
@@ -71,6 +95,20 @@ class WeightPublisher:
         self.keep_last = keep_last
         # Steps of each run that are stored now, found once per run and kept up to date here.
         self._stored: dict[str, set[int]] = {}
+
+    async def start(self) -> None:
+        """Start the sender (listen, join the group); idempotent, and done by the first
+        :meth:`publish` otherwise. Call it at start-up so a transport that cannot run fails
+        there rather than at the first step."""
+        if self.sender is not None and not self._started:
+            await self.sender.start()
+            self._started = True
+
+    async def close(self) -> None:
+        """Stop the sender: replicas can no longer fetch what it held."""
+        if self.sender is not None and self._started:
+            self._started = False
+            await self.sender.close()
 
     async def publish(
         self,
@@ -99,7 +137,9 @@ class WeightPublisher:
         _check_schema(announced)
         snapshot = {k: t.detach().to("cpu", copy=True) for k, t in state_dict.items()}
         stored = await self._stored_steps(run_id)
-        if self.transport == "object_store":
+        if self.sender is not None:
+            location, digest, size = await self._send(run_id, step, snapshot)
+        elif self.transport == "object_store":
             location, digest, size = await self._put_object(run_id, step, snapshot)
         else:
             location, digest, size = await self._write_dir(
@@ -118,6 +158,16 @@ class WeightPublisher:
             log.info("%s step %d: WeightsReady already announced", run_id, step)
         await self._collect_garbage(run_id, step, stored)
         return event
+
+    async def _send(
+        self, run_id: str, step: int, snapshot: dict[str, Tensor]
+    ) -> tuple[str, str, int]:
+        assert self.sender is not None
+        await self.start()
+        # Encoding hashes every byte once: off the event loop.
+        stream = await asyncio.to_thread(EncodedStream.from_state_dict, snapshot)
+        location = await self.sender.send(run_id, step, stream)
+        return location, stream.digest, stream.size
 
     async def _put_object(
         self, run_id: str, step: int, snapshot: dict[str, Tensor]
@@ -156,7 +206,9 @@ class WeightPublisher:
         """The steps of ``run_id`` in the store, listed once, e.g. left by an earlier trainer."""
         stored = self._stored.get(run_id)
         if stored is None:
-            if self.transport == "object_store":
+            if self.sender is not None:
+                stored = set()  # a sender holds only what this publisher gave it
+            elif self.transport == "object_store":
                 stored = await self._listed_objects(run_id)
             else:
                 stored = self._listed_dirs(run_id)
@@ -189,6 +241,10 @@ class WeightPublisher:
         """
         older = sorted(s for s in stored if s < current)
         doomed = older[: max(0, len(older) - (self.keep_last - 1))]
+        if self.sender is not None and doomed:
+            await self.sender.forget(run_id, doomed)
+            stored.difference_update(doomed)
+            return
         for step in doomed:
             try:
                 if self.transport == "object_store":

@@ -86,7 +86,7 @@ def test_settings_come_from_toml_environment_and_flags_in_that_order(tmp_path):
     assert settings.target_modules == ["q_proj", "v_proj"]
     assert (settings.threads, settings.num_threads) == (5, 5)
     with pytest.raises(SettingsError, match="weight_transport: Input should be 'object_store'"):
-        load_settings(TrainerSettings, None, {"model": "m", "weight_transport": "ucx"}, environ={})
+        load_settings(TrainerSettings, None, {"model": "m", "weight_transport": "nfs"}, environ={})
     with pytest.raises(SettingsError, match="model: Field required"):
         load_settings(TrainerSettings, None, {}, environ={})
 

@@ -179,14 +179,27 @@ async def test_a_missing_directory_says_it_may_have_been_collected(
         await load_weights(bus, event)
 
 
-@pytest.mark.parametrize("transport", ["ucx", "collective"])
-async def test_transports_not_in_this_build(
-    bus: Bus, tmp_path: Path, run_id: str, adapter, lora, transport: str
+async def test_a_transport_without_a_fetcher_is_not_available(
+    bus: Bus, tmp_path: Path, run_id: str, adapter, lora
 ):
     event = await WeightPublisher(bus, tmp_path).publish(run_id, 0, 1, adapter, lora)
-    other = msgspec.structs.replace(event, transport=transport)
+    other = msgspec.structs.replace(event, transport="collective")
     with pytest.raises(
-        WeightsError, match=f"transport '{transport}' is not available in this build"
+        WeightsError,
+        match=f"^weights for {run_id} step 1: transport 'collective' is not available in this "
+        "process",
+    ):
+        await load_weights(bus, other)
+
+
+async def test_a_ucx_event_whose_location_is_no_ucx_address_is_refused(
+    bus: Bus, tmp_path: Path, run_id: str, adapter, lora
+):
+    event = await WeightPublisher(bus, tmp_path).publish(run_id, 0, 1, adapter, lora)
+    other = msgspec.structs.replace(event, transport="ucx")
+    with pytest.raises(
+        WeightsError,
+        match=f"^weights for {run_id} step 1: location '{run_id}/step_1' is not a UCX address",
     ):
         await load_weights(bus, other)
 
@@ -265,8 +278,10 @@ async def test_a_restarted_publisher_collects_what_an_earlier_one_left(
 
 def test_publisher_rejects_settings_it_cannot_honour(tmp_path: Path):
     bus = object.__new__(Bus)  # never used: the constructor checks its arguments first
-    with pytest.raises(ValueError, match="weight transport 'ucx' cannot be published"):
-        WeightPublisher(bus, tmp_path, transport="ucx")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="weight transport 'carrier_pigeon' cannot be published"):
+        WeightPublisher(bus, tmp_path, transport="carrier_pigeon")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="'collective' needs its sender"):
+        WeightPublisher(bus, tmp_path, transport="collective")
     with pytest.raises(ValueError, match="keep_last must be at least 1"):
         WeightPublisher(bus, tmp_path, keep_last=0)
 

@@ -1,0 +1,342 @@
+"""A state dict as a safetensors byte stream, sent and received without a copy of the whole file.
+
+The object store and the filesystem hold one ``bytes`` object per adapter; a direct transport
+(UCX, a collective) need not. :class:`EncodedStream` describes a state dict as the bytes of a
+safetensors file without assembling them: the header, then each tensor's own memory viewed as
+bytes. :class:`StreamDecoder` is the other end: it parses the header, allocates the tensors (or,
+given ``destination``, checks and reuses tensors that exist already, such as a model's own
+parameters) and hands the transport writable views of their memory to receive into. The digest,
+``sha256:<hex>`` of the whole file as in ``WeightsReady.digest``, is computed once on each side
+over the same views.
+
+The layout is standard safetensors, so :meth:`EncodedStream.to_bytes` is a file that
+``safetensors.torch.load`` reads: an 8-byte little-endian header length, a JSON header mapping
+each tensor name to its ``dtype``, ``shape`` and ``data_offsets`` (plus ``__metadata__``,
+``{"format": "pt"}``), padded with spaces to a multiple of 8 bytes, then the tensors' bytes, one
+after the other in the order of their (sorted) names.
+
+A transport moves the data part as :func:`split` cuts it: each tensor's bytes in pieces of at
+most ``chunk_bytes``, a piece never spanning two tensors (so it is a view, not a copy); sender
+and receiver cut the same way, so piece ``k`` on one side is piece ``k`` on the other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from services.weights.errors import WeightsError
+
+CHUNK_BYTES = 8 << 20
+"""Default piece size: large enough that per-message costs vanish, small enough to pipeline."""
+
+MAX_HEADER_BYTES = 100_000_000
+"""The largest header accepted; the limit the safetensors library itself enforces."""
+
+_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+_CODES = {dtype: code for code, dtype in _DTYPES.items()}
+_METADATA = "__metadata__"
+
+
+def byte_view(tensor: Tensor) -> memoryview:
+    """The memory of a contiguous CPU tensor as a flat ``uint8`` memoryview (no copy; writable)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    return flat.numpy().data.cast("B")
+
+
+def split(views: Iterable[memoryview], chunk_bytes: int = CHUNK_BYTES) -> Iterator[memoryview]:
+    """``views`` cut into pieces of at most ``chunk_bytes``; empty views give no piece."""
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    for view in views:
+        for start in range(0, len(view), chunk_bytes):
+            yield view[start : start + chunk_bytes]
+
+
+class EncodedStream:
+    """The safetensors bytes of a state dict, as views of the tensors themselves (sender side).
+
+    Build it with :meth:`from_state_dict`. The tensors are referenced, not copied: the caller
+    must not modify them while the stream is being sent (the publisher hands in a snapshot).
+    """
+
+    def __init__(self, header: bytes, tensors: list[tuple[str, Tensor]]) -> None:
+        self.header = header
+        self.names = [name for name, _ in tensors]
+        self._tensors = [t for _, t in tensors]  # keeps the memory behind the views alive
+        self._views = [byte_view(t) for t in self._tensors]
+        self.size = len(header) + sum(len(v) for v in self._views)
+        hasher = hashlib.sha256(header)
+        for view in self._views:
+            hasher.update(view)
+        self.digest = "sha256:" + hasher.hexdigest()
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Tensor]) -> EncodedStream:
+        """Encode ``state``: each tensor made contiguous and CPU (no copy when it is already)."""
+        if not state:
+            raise ValueError("refusing to encode a state dict with no tensors")
+        tensors: list[tuple[str, Tensor]] = []
+        entries: dict[str, Any] = {_METADATA: {"format": "pt"}}
+        offset = 0
+        for name in sorted(state):
+            if not isinstance(name, str) or not name or name == _METADATA:
+                raise ValueError(f"cannot encode a tensor named {name!r}")
+            tensor = state[name].detach().to("cpu").resolve_conj().resolve_neg().contiguous()
+            code = _CODES.get(tensor.dtype)
+            if code is None:
+                raise ValueError(
+                    f"cannot encode {name!r}: dtype {tensor.dtype} has no safetensors code "
+                    f"here (supported: {', '.join(str(d) for d in _CODES)})"
+                )
+            nbytes = tensor.numel() * tensor.element_size()
+            entries[name] = {
+                "dtype": code,
+                "shape": list(tensor.shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
+            offset += nbytes
+            tensors.append((name, tensor))
+        body = json.dumps(entries, separators=(",", ":")).encode()
+        body += b" " * (-len(body) % 8)
+        return cls(struct.pack("<Q", len(body)) + body, tensors)
+
+    def segments(self) -> Iterator[memoryview]:
+        """The header, then each tensor's bytes (zero copy), in stream order."""
+        yield memoryview(self.header)
+        yield from self._views
+
+    def data_segments(self) -> list[memoryview]:
+        """Each tensor's bytes (zero copy), in stream order: everything after the header."""
+        return list(self._views)
+
+    def chunks(self, chunk_bytes: int = CHUNK_BYTES) -> Iterator[memoryview]:
+        """The same bytes as :meth:`segments` in pieces of at most ``chunk_bytes``."""
+        return split(self.segments(), chunk_bytes)
+
+    def to_bytes(self) -> bytes:
+        """The whole safetensors file in one ``bytes`` (for tests and small adapters)."""
+        return b"".join(self.segments())
+
+
+class _Entry:
+    __slots__ = ("begin", "dtype", "end", "name", "shape")
+
+    def __init__(self, name: str, dtype: torch.dtype, shape: list[int], begin: int, end: int):
+        self.name, self.dtype, self.shape, self.begin, self.end = name, dtype, shape, begin, end
+
+
+class StreamDecoder:
+    """Receives a safetensors stream into tensors, then checks its size and digest.
+
+    ``where`` starts every error message (``"weights for run_a step 3"``). ``size`` and
+    ``digest`` are what the announcement says the whole stream is. With ``destination``, the
+    stream is received straight into those tensors (full-weight mode: no second copy); each
+    named tensor must be there with the same dtype and shape, contiguous and on the CPU. A
+    transfer that fails half way leaves them partly overwritten, so use a destination only
+    where that is acceptable (a staging copy, or weights that are about to be replaced anyway).
+    """
+
+    def __init__(
+        self,
+        where: str,
+        size: int,
+        digest: str,
+        destination: Mapping[str, Tensor] | None = None,
+    ) -> None:
+        self.where = where
+        self.size = size
+        self.digest = digest
+        self.destination = destination
+        self._header: bytes | None = None
+        self._tensors: dict[str, Tensor] = {}
+        self._views: list[memoryview] = []
+
+    @staticmethod
+    def header_length(
+        prefix8: bytes, size: int | None = None, where: str = "safetensors stream"
+    ) -> int:
+        """The header's JSON length from the 8-byte prefix, checked against ``size`` if given."""
+        if len(prefix8) != 8:
+            raise WeightsError(
+                f"{where}: a safetensors stream starts with an 8-byte header length, got "
+                f"{len(prefix8)} bytes"
+            )
+        (length,) = struct.unpack("<Q", bytes(prefix8))
+        limit = MAX_HEADER_BYTES if size is None else min(MAX_HEADER_BYTES, size - 8)
+        if not 2 <= length <= limit:
+            total = "" if size is None else f" of a {size}-byte stream"
+            raise WeightsError(
+                f"{where}: the header length prefix{total} says {length} bytes, which cannot "
+                f"be (at most {max(limit, 0)}); the data is not safetensors"
+            )
+        return int(length)
+
+    def feed_header(self, header: bytes) -> None:
+        """Parse and check the whole header (prefix included), then allocate the tensors."""
+        if self._header is not None:
+            raise WeightsError(f"{self.where}: the header was fed twice")
+        where = self.where
+        length = self.header_length(bytes(header[:8]), self.size, where)
+        if len(header) != 8 + length:
+            raise WeightsError(
+                f"{where}: the header length prefix says {length} bytes, {len(header) - 8} "
+                "were given"
+            )
+        entries = self._parse(bytes(header[8:]))
+        data_bytes = entries[-1].end if entries else 0
+        if len(header) + data_bytes != self.size:
+            raise WeightsError(
+                f"{where}: size mismatch: the header describes {len(header) + data_bytes} "
+                f"bytes ({len(header)} of header, {data_bytes} of tensors), {self.size} were "
+                "announced"
+            )
+        tensors = {e.name: self._target(e) for e in entries}
+        self._tensors = tensors
+        self._views = [byte_view(t) for t in tensors.values()]
+        self._header = bytes(header)
+
+    def targets(self) -> list[memoryview]:
+        """Writable flat byte views of the tensors, in stream order, for the transport to fill."""
+        if self._header is None:
+            raise WeightsError(f"{self.where}: targets() before feed_header()")
+        return list(self._views)
+
+    def finish(self) -> dict[str, Tensor]:
+        """The received tensors, after checking the total size and the sha256 digest."""
+        if self._header is None:
+            raise WeightsError(f"{self.where}: nothing was received (no header)")
+        received = len(self._header) + sum(len(v) for v in self._views)
+        if received != self.size:
+            raise WeightsError(
+                f"{self.where}: size mismatch: announced {self.size} bytes, received {received}"
+            )
+        hasher = hashlib.sha256(self._header)
+        for view in self._views:
+            hasher.update(view)
+        got = "sha256:" + hasher.hexdigest()
+        if got != self.digest:
+            raise WeightsError(
+                f"{self.where}: digest mismatch: announced {self.digest} but the {received} "
+                f"received bytes hash to {got}"
+            )
+        return dict(self._tensors)
+
+    # --- inside feed_header -------------------------------------------------------------------
+
+    def _parse(self, body: bytes) -> list[_Entry]:
+        """The header's tensors in stream order; WeightsError for anything not safetensors."""
+        where = self.where
+        try:
+            parsed = json.loads(body.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
+            raise WeightsError(
+                f"{where}: the safetensors header is not JSON ({exc}); leading bytes {body[:32]!r}"
+            ) from None
+        if not isinstance(parsed, dict):
+            raise WeightsError(
+                f"{where}: the safetensors header is a JSON {type(parsed).__name__}, not an object"
+            )
+        metadata = parsed.pop(_METADATA, {})
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise WeightsError(f"{where}: __metadata__ must map strings to strings")
+        if not parsed:
+            raise WeightsError(f"{where}: the safetensors header lists no tensors")
+        entries = [self._entry(name, info) for name, info in parsed.items()]
+        entries.sort(key=lambda e: (e.begin, e.end))
+        offset = 0
+        for entry in entries:
+            if entry.begin != offset:
+                raise WeightsError(
+                    f"{where}: tensor {entry.name!r} starts at byte {entry.begin} of the data, "
+                    f"the previous one ends at {offset}: data_offsets must be contiguous"
+                )
+            offset = entry.end
+        return entries
+
+    def _entry(self, name: str, info: Any) -> _Entry:
+        where = self.where
+        if not isinstance(info, dict):
+            raise WeightsError(f"{where}: header entry {name!r} is not an object")
+        code, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        dtype = _DTYPES.get(code) if isinstance(code, str) else None
+        if dtype is None:
+            raise WeightsError(
+                f"{where}: tensor {name!r} has unknown dtype {code!r} (known: {', '.join(_DTYPES)})"
+            )
+        if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
+            raise WeightsError(f"{where}: tensor {name!r} has invalid shape {shape!r}")
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(_is_count(o) for o in offsets)
+            and offsets[0] <= offsets[1]
+        ):
+            raise WeightsError(f"{where}: tensor {name!r} has invalid data_offsets {offsets!r}")
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * dtype.itemsize
+        if offsets[1] - offsets[0] != nbytes:
+            raise WeightsError(
+                f"{where}: tensor {name!r} ({code} {shape}) needs {nbytes} bytes, its "
+                f"data_offsets {offsets} span {offsets[1] - offsets[0]}"
+            )
+        return _Entry(name, dtype, shape, offsets[0], offsets[1])
+
+    def _target(self, entry: _Entry) -> Tensor:
+        """A fresh tensor for ``entry``, or the destination's tensor after checking it fits."""
+        if self.destination is None:
+            return torch.empty(entry.shape, dtype=entry.dtype)
+        where, name = self.where, entry.name
+        tensor = self.destination.get(name)
+        if tensor is None:
+            raise WeightsError(f"{where}: the destination has no tensor {name!r}")
+        if tensor.dtype != entry.dtype or list(tensor.shape) != entry.shape:
+            raise WeightsError(
+                f"{where}: tensor {name!r} is {entry.dtype} {entry.shape} in the stream but "
+                f"{tensor.dtype} {list(tensor.shape)} in the destination"
+            )
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise WeightsError(
+                f"{where}: destination tensor {name!r} must be contiguous and on the CPU to "
+                f"receive in place (it is on {tensor.device}, contiguous={tensor.is_contiguous()})"
+            )
+        return tensor
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"key {key!r} appears twice")
+        result[key] = value
+    return result

@@ -1,0 +1,317 @@
+"""The ``ucx`` transport over real UCX (TCP): publish, pull from several replicas at once, receive
+a whole model in place, and fail cleanly, keeping the previous version, when the trainer dies or
+stalls mid-transfer."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+
+from schemas.events import LoraSpec, WeightsReady
+from schemas.subjects import ERRORS_WILDCARD
+from services.bus import Bus
+from services.inference.weights_follower import WeightsFollower
+from services.weights import EncodedStream, WeightPublisher, WeightsError, load_weights
+from services.weights.errors import TransportUnavailable
+from services.weights.ucx import UcxWeightClient, UcxWeightServer, _tag, import_ucxx
+
+try:
+    import_ucxx()  # sets the TCP defaults before ucxx reads the environment
+except ImportError:
+    pytest.skip("ucxx is not installed (pip install -e '.[ucx]')", allow_module_level=True)
+
+PEER = Path(__file__).with_name("ucx_peer.py")
+REPO = Path(__file__).parents[2]
+
+
+def _same(got: dict[str, torch.Tensor], sent: dict[str, torch.Tensor]) -> None:
+    assert list(got) == sorted(sent)
+    for key, tensor in sent.items():
+        assert got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), key
+
+
+def _event(run_id: str, step: int, location: str, stream: EncodedStream) -> WeightsReady:
+    return WeightsReady(
+        run_id=run_id,
+        idx=0,
+        step=step,
+        transport="ucx",
+        location=location,
+        digest=stream.digest,
+        size_bytes=stream.size,
+        lora=LoraSpec(rank=4, alpha=8.0, target_modules=["q_proj"]),
+    )
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[UcxWeightServer]:
+    s = UcxWeightServer(keep_last=2, chunk_bytes=1 << 20)
+    await s.start()
+    yield s
+    await s.close()
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[UcxWeightClient]:
+    c = UcxWeightClient(connect_timeout=5.0, stall_timeout=10.0)
+    yield c
+    await c.close()
+
+
+async def test_an_adapter_published_over_ucx_loads_bit_for_bit(
+    bus: Bus, tmp_path: Path, run_id: str, adapter, lora
+):
+    publisher = WeightPublisher(bus, tmp_path, transport="ucx", keep_last=2)
+    await publisher.start()
+    try:
+        event = await publisher.publish(run_id, 7, 3, adapter, lora)
+        assert publisher.sender is not None
+        port = publisher.sender.port  # type: ignore[attr-defined]
+        assert (event.transport, event.location) == (
+            "ucx",
+            f"ucx://127.0.0.1:{port}/{run_id}/step_3",
+        )
+        expected = EncodedStream.from_state_dict(adapter).to_bytes()
+        assert event.size_bytes == len(expected)
+        assert event.digest == "sha256:" + hashlib.sha256(expected).hexdigest()
+        assert not list(tmp_path.iterdir())  # nothing went to disk
+        _same(await load_weights(bus, event), adapter)
+    finally:
+        await publisher.close()
+
+
+async def test_only_the_last_versions_are_held_and_a_dropped_one_is_named(
+    bus: Bus, tmp_path: Path, run_id: str, make_adapter, lora, client: UcxWeightClient
+):
+    server = UcxWeightServer(keep_last=2)
+    publisher = WeightPublisher(bus, tmp_path, transport="ucx", keep_last=2, sender=server)
+    events = [await publisher.publish(run_id, 0, s, make_adapter(s), lora) for s in (1, 2, 3, 4)]
+    try:
+        assert server.held(run_id) == [3, 4]
+        with pytest.raises(
+            WeightsError,
+            match=f"^weights for {run_id} step 1: the trainer at ucx://127.0.0.1:{server.port} "
+            f"holds no weights under tag '{run_id}/step_1'",
+        ):
+            await client.fetch(events[0])
+        # a refusal leaves the connection in service
+        endpoint = client._endpoints[("127.0.0.1", server.port)]
+        _same(await client.fetch(events[3]), make_adapter(4))
+        assert client._endpoints[("127.0.0.1", server.port)] is endpoint
+    finally:
+        await publisher.close()
+
+
+async def test_many_requests_share_one_connection_and_many_clients_pull_at_once(
+    server: UcxWeightServer, run_id: str, make_adapter
+):
+    adapters = {step: make_adapter(step) for step in (1, 2)}
+    events = []
+    for step, state in adapters.items():
+        stream = EncodedStream.from_state_dict(state)
+        events.append(_event(run_id, step, await server.send(run_id, step, stream), stream))
+    clients = [UcxWeightClient() for _ in range(3)]
+    try:
+        results = await asyncio.gather(*(c.fetch(e) for c in clients for e in events * 2))
+        for i, got in enumerate(results):
+            _same(got, adapters[events[i % 2].step])
+        assert all(len(c._endpoints) == 1 for c in clients)
+    finally:
+        for c in clients:
+            await c.close()
+
+
+async def test_three_replica_processes_pull_a_stream_at_once(server: UcxWeightServer, run_id: str):
+    g = torch.Generator().manual_seed(3)
+    state = {f"layer{i}.weight": torch.randn(512, 1024 + i, generator=g) for i in range(3)}
+    stream = EncodedStream.from_state_dict(state)  # 6 MiB: 6 pieces of 1 MiB per replica
+    event = _event(run_id, 5, await server.send(run_id, 5, stream), stream)
+    wire = msgspec.json.encode(event).decode()
+    replicas = [
+        await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(PEER),
+            "fetch",
+            wire,
+            cwd=REPO,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        for _ in range(3)
+    ]
+    outputs = await asyncio.wait_for(asyncio.gather(*(r.communicate() for r in replicas)), 120)
+    for replica, (out, err) in zip(replicas, outputs, strict=True):
+        assert replica.returncode == 0, err.decode()[-2000:]
+        assert json.loads(out.decode().splitlines()[-1]) == {"digest": stream.digest, "tensors": 3}
+
+
+async def test_full_weights_are_received_into_the_model_parameters(
+    server: UcxWeightServer, client: UcxWeightClient, run_id: str, monkeypatch
+):
+    from transformers import LlamaForCausalLM
+
+    from services.model.tiny import tiny_config
+
+    torch.manual_seed(0)
+    trained = LlamaForCausalLM(tiny_config())
+    torch.manual_seed(1)
+    serving = LlamaForCausalLM(tiny_config())
+    sent = {k: p.detach() for k, p in trained.named_parameters()}
+    stream = EncodedStream.from_state_dict(sent)
+    event = _event(run_id, 1, await server.send(run_id, 1, stream), stream)
+    destination = dict(serving.named_parameters())
+    pointers = {k: p.data_ptr() for k, p in destination.items()}
+    assert not all(torch.equal(destination[k], sent[k]) for k in sent)
+
+    # Receiving in place allocates no tensor at all (the header is a small bytearray).
+    allocations: list[tuple[Any, ...]] = []
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: allocations.append(a) or empty(*a, **kw))
+    got = await client.fetch(event, destination=destination)
+    monkeypatch.undo()
+
+    assert allocations == []
+    assert set(got) == set(sent)
+    for key, tensor in got.items():
+        assert tensor is destination[key] and tensor.data_ptr() == pointers[key]
+        assert torch.equal(tensor, sent[key]), key
+    ids = torch.tensor([[1, 5, 9, 3]])
+    with torch.no_grad():
+        assert torch.equal(serving(ids).logits, trained(ids).logits)
+
+
+async def test_a_destination_that_does_not_fit_is_refused_and_left_alone(
+    server: UcxWeightServer, client: UcxWeightClient, run_id: str
+):
+    stream = EncodedStream.from_state_dict({"w": torch.ones(4, 4)})
+    event = _event(run_id, 1, await server.send(run_id, 1, stream), stream)
+    destination = {"w": torch.zeros(4, 5)}
+    with pytest.raises(
+        WeightsError,
+        match=rf"^weights for {run_id} step 1: tensor 'w' is torch.float32 \[4, 4\] in the stream",
+    ):
+        await client.fetch(event, destination=destination)
+    assert torch.equal(destination["w"], torch.zeros(4, 5))
+
+
+class _Stalling(UcxWeightServer):
+    async def _send_stream(self, ep: Any, request_id: int, stream: EncodedStream) -> None:
+        if len(stream.names) == 1:  # the stream to stall on
+            await ep.send(memoryview(stream.header), tag=_tag(request_id, 1))
+            await asyncio.Event().wait()
+        await super()._send_stream(ep, request_id, stream)
+
+
+async def test_a_stalled_transfer_times_out_and_the_next_fetch_reconnects(run_id: str, adapter):
+    server = _Stalling()
+    await server.start()
+    client = UcxWeightClient(stall_timeout=0.5)
+    try:
+        stalled = EncodedStream.from_state_dict({"w": torch.ones(1000)})
+        good = EncodedStream.from_state_dict(adapter)
+        bad_event = _event(run_id, 1, await server.send(run_id, 1, stalled), stalled)
+        good_event = _event(run_id, 2, await server.send(run_id, 2, good), good)
+        _same(await client.fetch(good_event), adapter)
+        first = client._endpoints[("127.0.0.1", server.port)]
+        with pytest.raises(
+            WeightsError,
+            match=f"^weights for {run_id} step 1: transfer from ucx://127.0.0.1:{server.port} "
+            "failed \\(timed out\\)",
+        ):
+            await client.fetch(bad_event)
+        assert first.closed and ("127.0.0.1", server.port) not in client._endpoints
+        _same(await client.fetch(good_event), adapter)
+        assert client._endpoints[("127.0.0.1", server.port)] is not first
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def test_nothing_listening_is_a_clear_error(client: UcxWeightClient, run_id: str):
+    from services.bus import free_port
+
+    port = free_port()
+    stream = EncodedStream.from_state_dict({"w": torch.ones(2)})
+    event = _event(run_id, 1, f"ucx://127.0.0.1:{port}/{run_id}/step_1", stream)
+    with pytest.raises(
+        WeightsError,
+        match=f"^weights for {run_id} step 1: cannot connect to the trainer at "
+        f"ucx://127.0.0.1:{port}",
+    ):
+        await asyncio.wait_for(client.fetch(event), 30)
+
+
+async def test_a_port_in_use_is_reported_as_unavailable(server: UcxWeightServer):
+    second = UcxWeightServer(port=server.port)
+    with pytest.raises(
+        TransportUnavailable, match=f"cannot listen for UCX weight transfers on port {server.port}"
+    ):
+        await second.start()
+
+
+async def test_a_trainer_killed_mid_transfer_fails_the_load_and_the_previous_version_stays(
+    bus: Bus, nats_url: str, tmp_path: Path, run_id: str
+):
+    installed: dict[str, int] = {}
+
+    async def install(event: WeightsReady, tensors: dict[str, Any]) -> None:
+        installed[event.run_id] = event.step
+
+    follower = WeightsFollower(
+        bus,
+        wanted=lambda event, _: event.run_id == run_id,
+        install=install,
+        attempts=1,
+    )
+    errors = await bus.nc.subscribe(ERRORS_WILDCARD)
+    trainer = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(PEER),
+        "serve",
+        nats_url,
+        run_id,
+        str(tmp_path),
+        "200",
+        cwd=REPO,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert trainer.stdin is not None and trainer.stdout is not None
+    try:
+        assert await asyncio.wait_for(trainer.stdout.readline(), 60) == b"READY\n"
+        await follower.start()
+        while installed.get(run_id) != 1:
+            await asyncio.sleep(0.02)
+        trainer.stdin.write(b"go\n")
+        await trainer.stdin.drain()
+        # The replica has the header and the first piece of the 200 MB adapter; kill the trainer.
+        assert await asyncio.wait_for(trainer.stdout.readline(), 60) == b"MID\n"
+        trainer.send_signal(signal.SIGKILL)
+        await trainer.wait()
+        await asyncio.wait_for(follower.idle(), 30)
+        assert installed == {run_id: 1}
+        assert follower.failed[run_id] == 1 and follower.tries[(run_id, 2)] == 1
+        report = json.loads((await errors.next_msg(timeout=10)).data)
+        while report.get("run_id") != run_id:  # other tests share the server
+            report = json.loads((await errors.next_msg(timeout=10)).data)
+        assert (
+            f"adapter of {run_id} at step 2 rejected after 1 attempts, the previous version"
+            in (report["error"])
+        )
+        assert f"weights for {run_id} step 2: transfer from ucx://127.0.0.1:" in report["error"]
+    finally:
+        await follower.stop()
+        await errors.unsubscribe()
+        if trainer.returncode is None:
+            trainer.kill()
+            await trainer.wait()
