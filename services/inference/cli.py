@@ -61,6 +61,12 @@ def register(subparsers: Any) -> None:
         "--weight-load-attempts", type=int, help="tries per adapter before giving it up (2)"
     )
     parser.add_argument(
+        "--weight-transport",
+        choices=["object_store", "filesystem", "ucx", "collective"],
+        help="the trainer's weight transport; 'collective' joins its broadcast group at start-up "
+        "(env PLEXRL_WEIGHT_TRANSPORT, default object_store)",
+    )
+    parser.add_argument(
         "--gpu-memory-utilization", type=float, help="vllm: GPU memory fraction (0.85)"
     )
     parser.set_defaults(func=run)
@@ -87,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         "dtype",
         "replica_name",
         "weight_load_attempts",
+        "weight_transport",
         "gpu_memory_utilization",
     )
     try:
@@ -168,6 +175,7 @@ async def _serve(settings: Any, url: str) -> None:
             replica_name=settings.replica_name,
             output_dir=settings.output_dir,
             weight_load_attempts=settings.weight_load_attempts,
+            weight_transport=settings.weight_transport,
         )
         await service.run(stop_on_signals())
     finally:

@@ -8,6 +8,9 @@
 - A :class:`WeightsFollower` loads each announced adapter and hands it to the engine. An adapter
   announced for a run this replica does not know yet is held back (the newest per run) and loaded
   when the run is created.
+- With ``weight_transport="collective"`` the replica joins the trainer's broadcast group at
+  start-up (a :class:`~services.weights.collective.CollectiveReceiver`, leaving it on stop) and
+  receives the adapters that WeightsReady events of transport ``collective`` name through it.
 - A request waits, up to its ``timeout_s``, until the engine can serve at least its
   ``min_policy_version``; the reply says which version generated it. Anything wrong with a
   request gets an error reply; a malformed one is also reported as InvalidMessage on
@@ -42,6 +45,8 @@ from services.inference.requests import (
 from services.inference.weights_follower import WeightsFollower
 from services.registry.mirror import RunMirror
 from services.telemetry.metrics import record_request_served, record_weight_sync
+from services.weights.collective import CollectiveReceiver
+from services.weights.transport import WeightFetcher
 
 log = logging.getLogger(__name__)
 
@@ -62,18 +67,25 @@ class InferenceService:
         output_dir: Path | None = None,
         weight_load_attempts: int = 2,
         shutdown_grace: float = 30.0,
+        weight_transport: str = "object_store",
     ) -> None:
         self.bus = bus
         self.engine = engine
         self.replica_name = replica_name
         self.shutdown_grace = shutdown_grace
         self.mirror = RunMirror(bus, max_runs, service=bus.service)
+        self.receiver: CollectiveReceiver | None = None
+        fetchers: dict[str, WeightFetcher] = {}
+        if weight_transport == "collective":
+            self.receiver = CollectiveReceiver(bus, replica_name)
+            fetchers["collective"] = self.receiver
         self.follower = WeightsFollower(
             bus,
             wanted=self._wants,
             install=self._install,
             output_dir=output_dir,
             attempts=weight_load_attempts,
+            fetchers=fetchers,
         )
         self.served: Counter[str] = Counter()
         """Requests answered with completions, per run."""
@@ -102,6 +114,9 @@ class InferenceService:
         await self.mirror.wait_until_caught_up()
         await self.mirror.synchronize_state()
         self._sync_task = asyncio.create_task(self._sync_loop(), name="inference-mirror-sync")
+        if self.receiver is not None:
+            # Joining goes on in the background: the trainer may start after this replica.
+            await self.receiver.start()
         await self.follower.start()
         self._sub = await self.bus.nc.subscribe(
             sj.GENERATE, queue=sj.INFERENCE_QUEUE_GROUP, cb=self._on_request
@@ -133,6 +148,8 @@ class InferenceService:
             self._sync_task.cancel()
             await asyncio.gather(self._sync_task, return_exceptions=True)
         await self.follower.stop()
+        if self.receiver is not None:
+            await self.receiver.close()
         await self.mirror.stop()
         await self.engine.close()
 

@@ -78,6 +78,11 @@ class InferenceSettings(BaseModel):
     weight_load_attempts: int = Field(
         2, ge=1, le=10, description="tries per announced adapter before it is given up"
     )
+    weight_transport: Literal["object_store", "filesystem", "ucx", "collective"] = Field(
+        "object_store",
+        description="the trainer's weight transport: 'collective' joins its broadcast group at "
+        "start-up; every WeightsReady is still read as its own transport says",
+    )
     gpu_memory_utilization: float = Field(
         0.85, gt=0, le=1.0, description="vllm: fraction of GPU memory the engine may take"
     )

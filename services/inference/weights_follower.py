@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from schemas.codec import DecodeError, decode
 from schemas.events import WeightsReady
 from services.bus import Bus, tracing
 from services.weights.loader import WeightsError, load_weights
+from services.weights.transport import WeightFetcher
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ class WeightsFollower:
 
     ``wanted`` decides without I/O (is the run known here, is the version newer); ``install``
     may raise ValueError for tensors that do not fit, which counts as a failed attempt.
+    ``fetchers`` receive the direct transports they name (a collective group joined at
+    start-up); see :func:`~services.weights.loader.load_weights`.
     """
 
     def __init__(
@@ -56,8 +59,10 @@ class WeightsFollower:
         output_dir: Path | None = None,
         attempts: int = 2,
         retry_delay: float = 0.2,
+        fetchers: Mapping[str, WeightFetcher] | None = None,
     ) -> None:
         self.bus = bus
+        self.fetchers = dict(fetchers or {})
         self.wanted = wanted
         self.install = install
         self.output_dir = output_dir
@@ -158,7 +163,9 @@ class WeightsFollower:
             for attempt in range(1, self.attempts + 1):
                 self.tries[(event.run_id, event.step)] += 1
                 try:
-                    tensors = await load_weights(self.bus, event, self.output_dir)
+                    tensors = await load_weights(
+                        self.bus, event, self.output_dir, fetchers=self.fetchers
+                    )
                     await self.install(event, tensors)
                     return
                 except (WeightsError, ValueError) as exc:
