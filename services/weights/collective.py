@@ -259,22 +259,27 @@ def _move_buckets(
     views: Sequence[memoryview] | None,
     *,
     sending: bool,
+    landed: Callable[[int], None] | None = None,
 ) -> None:
     """Broadcast (``sending``) or receive the data of a stream, bucket by bucket.
 
     ``views`` are the segments' bytes; a receiver passes None to take part without keeping
-    anything (a stream it could not decode must still be received, to stay in step)."""
+    anything (a stream it could not decode must still be received, to stay in step).
+    ``landed`` hears the bytes in place so far after each bucket (buckets go in stream order)."""
     plan = bucket_plan(lengths, bucket_bytes)
     shared = max(
         (sum(b - a for _, a, b in bucket) for bucket in plan if len(bucket) > 1), default=0
     )
     buffer = torch.empty(max(shared, bucket_bytes if views is None else 0), dtype=torch.uint8)
     staging = byte_view(buffer)
-    for bucket in plan:
+    progress = _Landed(lengths, plan, landed) if landed is not None else None
+    for k, bucket in enumerate(plan):
         nbytes = sum(stop - start for _, start, stop in bucket)
         if views is not None and len(bucket) == 1:
             i, start, stop = bucket[0]
             _broadcast(pg, torch.frombuffer(views[i][start:stop], dtype=torch.uint8))
+            if progress is not None:
+                progress.bucket_done(k)
             continue
         if views is None:
             _broadcast(pg, buffer[:nbytes])
@@ -289,6 +294,42 @@ def _move_buckets(
             for i, start, stop in bucket:
                 views[i][start:stop] = staging[offset : offset + stop - start]
                 offset += stop - start
+            if progress is not None:
+                progress.bucket_done(k)
+
+
+class _Landed:
+    """Turns finished buckets into the stream-order prefix of bytes in place.
+
+    Small pieces wait in a shared bucket that travels after the large pieces behind them, so
+    buckets finish out of stream order; ``landed`` hears how far the data is complete from the
+    start, which is what a digest computed while receiving needs."""
+
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        plan: Sequence[Sequence[tuple[int, int, int]]],
+        landed: Callable[[int], None],
+    ) -> None:
+        starts = [0]
+        for length in lengths:
+            starts.append(starts[-1] + length)
+        # (global start, global stop, bucket) of every piece, in stream order
+        self._pieces = sorted(
+            (starts[i] + a, starts[i] + b, k) for k, bucket in enumerate(plan) for i, a, b in bucket
+        )
+        self._done: set[int] = set()
+        self._next = 0
+        self._landed = landed
+
+    def bucket_done(self, k: int) -> None:
+        self._done.add(k)
+        advanced = False
+        while self._next < len(self._pieces) and self._pieces[self._next][2] in self._done:
+            self._next += 1
+            advanced = True
+        if advanced:
+            self._landed(self._pieces[self._next - 1][1])
 
 
 def _send_stream(pg: Any, run_id: str, step: int, stream: EncodedStream, bucket_bytes: int) -> None:
@@ -1059,7 +1100,18 @@ class CollectiveReceiver:
         except WeightsError as exc:
             error, views = str(exc), None
         # Received even when it cannot be used: every rank must take part in every bucket.
-        _move_buckets(pg, frame.segments, frame.bucket_bytes, views, sending=False)
+        try:
+            _move_buckets(
+                pg,
+                frame.segments,
+                frame.bucket_bytes,
+                views,
+                sending=False,
+                landed=decoder.landed if views is not None else None,
+            )
+        except BaseException:
+            decoder.abandon()
+            raise
         state = None
         if views is not None:
             try:

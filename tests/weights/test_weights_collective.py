@@ -22,7 +22,12 @@ from safetensors.torch import save as save_safetensors
 from schemas.events import LoraSpec, WeightsReady
 from services.bus import Bus
 from services.weights import WeightsError
-from services.weights.collective import CollectiveReceiver, CollectiveSender, bucket_plan
+from services.weights.collective import (
+    CollectiveReceiver,
+    CollectiveSender,
+    _Landed,
+    bucket_plan,
+)
 from services.weights.stream import EncodedStream
 
 Adapter = dict[str, torch.Tensor]
@@ -172,6 +177,18 @@ def test_bucket_plan_sends_big_pieces_alone_and_packs_small_ones() -> None:
         [(0, 0, 10), (2, 0, 30), (5, 0, 40)],
         [(6, 0, 45)],
     ]
+
+
+def test_buckets_finishing_out_of_order_report_the_complete_prefix_in_order() -> None:
+    # The same plan: segment 0 (bytes 0-10) travels in bucket 4, after segment 1's pieces.
+    lengths = [10, 250, 30, 0, 70, 40, 45]
+    heard: list[int] = []
+    progress = _Landed(lengths, bucket_plan(lengths, 100), heard.append)
+    for k in range(6):
+        progress.bucket_done(k)
+    # Nothing is complete from the start until bucket 4 brings bytes 0-10 and 260-290; then
+    # everything up to segment 6 (starting at 400) is in, and bucket 5 completes the stream.
+    assert heard == [400, 445]
 
 
 async def test_two_receiver_processes_get_the_senders_tensors(

@@ -273,3 +273,51 @@ def test_byte_view_shares_the_tensor_memory():
     view = byte_view(tensor)
     view[0:2] = b"\x07\x00"
     assert tensor.tolist() == [7, 0, 0]
+
+
+def _receive_in_pieces(data: bytes, piece: int, digest: str | None = None) -> StreamDecoder:
+    """A decoder that has received ``data`` ``piece`` bytes at a time, telling it each time."""
+    decoder = StreamDecoder(
+        WHERE, len(data), digest or "sha256:" + hashlib.sha256(data).hexdigest()
+    )
+    length = StreamDecoder.header_length(data[:8])
+    decoder.feed_header(data[: 8 + length])
+    flat = data[8 + length :]
+    done = 0
+    for target in decoder.targets():
+        for start in range(0, len(target), piece):
+            stop = min(start + piece, len(target))
+            target[start:stop] = flat[done + start : done + stop]
+            decoder.landed(done + stop)
+        done += len(target)
+    return decoder
+
+
+@pytest.mark.parametrize("piece", [1, 7, 64, 1 << 20])
+def test_hashing_while_the_data_lands_gives_the_same_verdicts(piece: int):
+    state = _state()
+    data = EncodedStream.from_state_dict(state).to_bytes()
+    got = _receive_in_pieces(data, piece).finish()
+    assert all(torch.equal(got[k], state[k].contiguous()) for k in state)
+    with pytest.raises(WeightsError, match="digest mismatch"):
+        _receive_in_pieces(data, piece, digest="sha256:" + "0" * 64).finish()
+
+
+def test_a_byte_that_lands_corrupted_fails_the_digest_hashed_while_landing():
+    # The last byte of the last piece, the one hashed at the very end.
+    data = bytearray(EncodedStream.from_state_dict(_state()).to_bytes())
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    data[-1] ^= 0xFF
+    with pytest.raises(WeightsError, match="digest mismatch"):
+        _receive_in_pieces(bytes(data), 16, digest=digest).finish()
+
+
+def test_an_abandoned_transfer_stops_its_hashing_thread():
+    data = EncodedStream.from_state_dict(_state()).to_bytes()
+    decoder = StreamDecoder(WHERE, len(data), "sha256:" + hashlib.sha256(data).hexdigest())
+    length = StreamDecoder.header_length(data[:8])
+    decoder.feed_header(data[: 8 + length])
+    decoder.landed(5)  # starts the thread, which then waits for more
+    assert decoder._hasher is not None and decoder._hasher.is_alive()
+    decoder.abandon()
+    assert not decoder._hasher.is_alive()
