@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import sys
 import time
 from pathlib import Path
@@ -110,6 +111,8 @@ async def run_up(settings: UpSettings, nats_url: str | None, console: Console) -
                 str(output_dir),
                 "--threads",
                 str(settings.inference_threads),
+                "--weight-transport",
+                settings.weight_transport,
                 *sizes,
                 *common,
             ],
@@ -127,6 +130,7 @@ async def run_up(settings: UpSettings, nats_url: str | None, console: Console) -
                 str(settings.trainer_threads),
                 "--weight-transport",
                 settings.weight_transport,
+                *_transport_flags(settings.weight_transport),
                 *sizes,
                 *common,
             ],
@@ -277,3 +281,14 @@ def main(settings: UpSettings, nats_url: str | None) -> int:
         return asyncio.run(run_up(settings, nats_url, Console()))
     finally:
         shutdown_tracing()
+
+
+def _transport_flags(transport: str) -> list[str]:
+    """A free rendezvous port for ``collective`` (replicas find it over NATS), so that two
+    ``plexrl up`` on one machine do not meet at the default port; ucx already takes a free one."""
+    if transport != "collective":
+        return []
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return ["--collective-port", str(port)]

@@ -31,6 +31,11 @@ def register(subparsers: Any) -> None:
         "--nats-url", help="use this NATS server instead of an embedded one (env PLEXRL_NATS_URL)"
     )
     p.add_argument(
+        "--weight-transport",
+        choices=["object_store", "filesystem", "ucx", "collective"],
+        help="how adapters reach inference (default object_store)",
+    )
+    p.add_argument(
         "--no-live", action="store_true", help="print one line per step instead of a live table"
     )
     p.set_defaults(func=run)
@@ -47,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
         "max_async_level": args.max_async_level,
         "output_dir": args.output_dir,
         "model": args.model,
+        "weight_transport": args.weight_transport,
         "live": False if args.no_live else None,
     }
     try:

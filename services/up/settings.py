@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -34,7 +34,9 @@ class UpSettings(BaseModel):
     max_runs: int = Field(4, ge=1, le=64, description="adapter slots in trainer and inference")
     trainer_threads: int = Field(1, ge=1, le=256)
     inference_threads: int = Field(1, ge=1, le=256)
-    weight_transport: str = Field("object_store", pattern="^(object_store|filesystem)$")
+    weight_transport: Literal["object_store", "filesystem", "ucx", "collective"] = Field(
+        "object_store", description="how the trainer's adapters reach inference"
+    )
     live: bool = Field(True, description="show the live table (off when stdout is not a terminal)")
     run: dict[str, Any] = Field(
         default_factory=dict,
