@@ -15,6 +15,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+DEFAULT_MAX_LORA_RANK = 16
+"""The largest LoRA rank the registry admits, the trainer's slots hold and inference serves,
+unless a deployment sets ``max_lora_rank``: one default, so a run the registry admits always
+fits the trainer's slots."""
+
 
 class ConfigError(ValueError):
     """A config that cannot be used, with every problem listed."""

@@ -36,7 +36,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--engine", choices=["torch", "vllm"], help="generation engine")
     parser.add_argument("--model", type=Path, metavar="DIR", help="Hugging Face model directory")
     parser.add_argument("--max-runs", type=int, help="adapter slots, as the registry's (4)")
-    parser.add_argument("--max-lora-rank", type=int, help="largest adapter rank served (32)")
+    parser.add_argument("--max-lora-rank", type=int, help="largest adapter rank served (16)")
     parser.add_argument(
         "--target-modules", help="comma-separated LoRA target modules, as the trainer's"
     )

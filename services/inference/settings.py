@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from schemas.config import DEFAULT_MAX_LORA_RANK
+
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -44,7 +46,10 @@ class InferenceSettings(BaseModel):
     )
     max_runs: int = Field(4, ge=1, le=4096, description="adapter slots: the registry's max_runs")
     max_lora_rank: int = Field(
-        32, ge=1, le=1024, description="largest LoRA rank a run's adapter may have"
+        DEFAULT_MAX_LORA_RANK,
+        ge=1,
+        le=1024,
+        description="largest LoRA rank a run's adapter may have",
     )
     target_modules: list[str] = Field(
         default_factory=default_target_modules,

@@ -46,7 +46,7 @@ def register(subparsers: Any) -> None:
         help="extra config checks, each called with the OrchConfig and returning (ok, message)",
     )
     parser.add_argument(
-        "--max-lora-rank", type=int, help="largest LoRA rank a run may ask for (default 256)"
+        "--max-lora-rank", type=int, help="largest LoRA rank a run may ask for (default 16)"
     )
     parser.add_argument(
         "--max-async-level", type=int, help="largest max_async_level a run may ask for"

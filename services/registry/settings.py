@@ -13,6 +13,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from schemas.config import DEFAULT_MAX_LORA_RANK
+
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,48}$")
 
 
@@ -36,7 +38,7 @@ class RegistrySettings(BaseModel):
         "returning (ok, message)",
     )
     max_lora_rank: int = Field(
-        256, ge=1, le=1024, description="largest LoRA rank a run may ask for"
+        DEFAULT_MAX_LORA_RANK, ge=1, le=1024, description="largest LoRA rank a run may ask for"
     )
     max_async_level: int = Field(
         64, ge=0, le=64, description="largest max_async_level a run may ask for"

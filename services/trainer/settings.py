@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from schemas.config import DEFAULT_MAX_LORA_RANK
+
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,48}$")
 
 # The same list as services.model.lora.DEFAULT_TARGET_MODULES (a test checks it), repeated here
@@ -65,7 +67,10 @@ class TrainerSettings(BaseModel):
         4, ge=1, le=4096, description="adapter slots; the same number as the registry's pool"
     )
     max_lora_rank: int = Field(
-        16, ge=1, le=1024, description="largest LoRA rank a run may use (the slots' size)"
+        DEFAULT_MAX_LORA_RANK,
+        ge=1,
+        le=1024,
+        description="largest LoRA rank a run may use (the slots' size)",
     )
     target_modules: list[str] = Field(
         default_factory=lambda: list(DEFAULT_TARGET_MODULES),
