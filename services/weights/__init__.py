@@ -10,6 +10,8 @@
   in place, for the direct transports.
 - :mod:`services.weights.transport`: the sender and fetcher interfaces of a direct transport.
 - :mod:`services.weights.ucx`: the ``ucx`` transport (imports ucxx only when used).
+- :mod:`services.weights.collective`: the ``collective`` transport, a torch.distributed broadcast
+  group of the trainer and the replicas that re-forms as members come and go.
 """
 
 from services.weights.loader import WeightsError, load_weights

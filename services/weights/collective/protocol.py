@@ -1,0 +1,338 @@
+"""The collective protocol: constants, membership messages and subjects, frames, buckets,
+and the gloo groups they travel in. Shared by :mod:`.sender` and :mod:`.receiver`."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlsplit
+
+import msgspec
+import torch
+from torch import Tensor
+
+from schemas.events import WeightsReady
+from schemas.subjects import validate_service_name
+from services.weights.errors import WeightsError
+from services.weights.stream import EncodedStream, byte_view
+
+DEFAULT_GROUP = "default"
+SUBJECT_PREFIX = "plexrl.collective"
+TIMEOUT = 30.0
+"""Seconds for building a generation and for each broadcast, on both ends."""
+HEARTBEAT = 2.0
+"""Idle seconds after which the sender broadcasts a heartbeat (well under ``TIMEOUT``)."""
+PING_TIMEOUT = 2.0
+"""Seconds a member has to answer the sender's liveness check after a failed collective."""
+JOIN_TIMEOUT = 5.0
+"""Seconds to wait for the sender's answer to a join or leave request."""
+REJOIN_INTERVAL = 1.0
+"""Seconds between two join requests while no sender answers."""
+FETCH_TIMEOUT = 60.0
+"""Seconds :meth:`CollectiveReceiver.fetch` waits for the transfer an event names."""
+MAX_FORM_ATTEMPTS = 3
+"""Generations tried in a row after failures before the sender stops and waits for new joins."""
+MAGIC = 0x504C5843  # "PLXC"
+COALESCE_BELOW = 1 << 20
+"""Pieces smaller than this (or than half a bucket) share buckets, copied through a buffer."""
+MAX_FRAME_BYTES = 64 << 20
+
+
+# --- membership messages (core NATS, JSON) ----------------------------------------------------
+
+
+class JoinRequest(msgspec.Struct, frozen=True, kw_only=True, tag="collective_join"):
+    """A replica asks to receive weights. Producer: CollectiveReceiver. Consumer: the sender."""
+
+    member: str
+    replica: str
+
+
+class LeaveRequest(msgspec.Struct, frozen=True, kw_only=True, tag="collective_leave"):
+    """A replica that closes. Producer: CollectiveReceiver. Consumer: CollectiveSender."""
+
+    member: str
+
+
+class GroupState(msgspec.Struct, frozen=True, kw_only=True, tag="collective_state"):
+    """The answer to a join or leave: which sender, its current generation, its store's address.
+
+    Producer: CollectiveSender. Consumer: the CollectiveReceiver that asked."""
+
+    sender: str
+    generation: int
+    host: str
+    port: int
+
+
+class GroupFormed(msgspec.Struct, frozen=True, kw_only=True, tag="collective_formed"):
+    """Generation ``generation`` is being built: ``members[i]`` takes rank ``i + 1``.
+
+    Producer: CollectiveSender. Consumers: every CollectiveReceiver of the group."""
+
+    sender: str
+    generation: int
+    host: str
+    port: int
+    members: list[str]
+
+
+class Ping(msgspec.Struct, frozen=True, kw_only=True, tag="collective_ping"):
+    """Are you still there? Producer: CollectiveSender. Consumer: one CollectiveReceiver."""
+
+    generation: int
+
+
+class Pong(msgspec.Struct, frozen=True, kw_only=True, tag="collective_pong"):
+    """Yes. Producer: CollectiveReceiver. Consumer: CollectiveSender."""
+
+    member: str
+
+
+@dataclass(frozen=True)
+class Subjects:
+    """The subjects of one collective group."""
+
+    join: str
+    leave: str
+    formed: str
+    alive_prefix: str
+
+    @classmethod
+    def of(cls, group: str) -> Subjects:
+        base = f"{SUBJECT_PREFIX}.{validate_service_name(group)}"
+        return cls(f"{base}.join", f"{base}.leave", f"{base}.formed", f"{base}.alive.")
+
+    def alive(self, member: str) -> str:
+        return self.alive_prefix + validate_service_name(member)
+
+
+# --- frames (inside a generation) -------------------------------------------------------------
+
+
+class _StreamFrame(msgspec.Struct, frozen=True, kw_only=True, tag="stream"):
+    run_id: str
+    step: int
+    size: int
+    digest: str
+    header_bytes: int
+    segments: list[int]
+    bucket_bytes: int
+
+
+class _ForgetFrame(msgspec.Struct, frozen=True, kw_only=True, tag="forget"):
+    run_id: str
+    steps: list[int]
+
+
+class _EndFrame(msgspec.Struct, frozen=True, kw_only=True, tag="end"):
+    next_generation: int
+    """The generation that follows, or 0 when the sender is closing."""
+
+
+_Frame = _StreamFrame | _ForgetFrame | _EndFrame
+_frame_decoder = msgspec.json.Decoder(_Frame)
+
+
+class _ProtocolError(RuntimeError):
+    """The ranks are out of step; the generation cannot go on."""
+
+
+def bucket_plan(lengths: Sequence[int], bucket_bytes: int) -> list[list[tuple[int, int, int]]]:
+    """How a stream's data travels: buckets of ``(segment, start, stop)`` pieces, in order.
+
+    Each segment (tensor) is cut into pieces of at most ``bucket_bytes``. A piece of at least
+    ``min(COALESCE_BELOW, bucket_bytes // 2)`` bytes is a bucket of its own, broadcast as a view
+    of the tensor's memory on both ends (no copy); smaller pieces share buckets of at most
+    ``bucket_bytes``, copied through a buffer. Sender and receiver compute the same plan from the
+    same lengths, so bucket ``k`` has the same size on every rank.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    alone = max(1, min(COALESCE_BELOW, bucket_bytes // 2))
+    plan: list[list[tuple[int, int, int]]] = []
+    shared: list[tuple[int, int, int]] = []
+    filled = 0
+    for i, length in enumerate(lengths):
+        for start in range(0, length, bucket_bytes):
+            stop = min(length, start + bucket_bytes)
+            if stop - start >= alone:
+                plan.append([(i, start, stop)])
+                continue
+            if filled + stop - start > bucket_bytes:
+                plan.append(shared)
+                shared, filled = [], 0
+            shared.append((i, start, stop))
+            filled += stop - start
+    if shared:
+        plan.append(shared)
+    return plan
+
+
+def _broadcast(pg: Any, tensor: Tensor) -> None:
+    options = torch.distributed.BroadcastOptions()
+    options.rootRank = 0
+    options.rootTensor = 0
+    pg.broadcast([tensor], options).wait()
+
+
+def _send_frame(pg: Any, frame: _Frame | None) -> None:
+    payload = b"" if frame is None else msgspec.json.encode(frame)
+    _broadcast(pg, torch.tensor([MAGIC, len(payload)], dtype=torch.int64))
+    if payload:
+        _broadcast(pg, torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+
+
+def _move_buckets(
+    pg: Any,
+    lengths: Sequence[int],
+    bucket_bytes: int,
+    views: Sequence[memoryview] | None,
+    *,
+    sending: bool,
+    landed: Callable[[int], None] | None = None,
+) -> None:
+    """Broadcast (``sending``) or receive the data of a stream, bucket by bucket.
+
+    ``views`` are the segments' bytes; a receiver passes None to take part without keeping
+    anything (a stream it could not decode must still be received, to stay in step).
+    ``landed`` hears the bytes in place so far after each bucket (buckets go in stream order)."""
+    plan = bucket_plan(lengths, bucket_bytes)
+    shared = max(
+        (sum(b - a for _, a, b in bucket) for bucket in plan if len(bucket) > 1), default=0
+    )
+    buffer = torch.empty(max(shared, bucket_bytes if views is None else 0), dtype=torch.uint8)
+    staging = byte_view(buffer)
+    progress = _Landed(lengths, plan, landed) if landed is not None else None
+    for k, bucket in enumerate(plan):
+        nbytes = sum(stop - start for _, start, stop in bucket)
+        if views is not None and len(bucket) == 1:
+            i, start, stop = bucket[0]
+            _broadcast(pg, torch.frombuffer(views[i][start:stop], dtype=torch.uint8))
+            if progress is not None:
+                progress.bucket_done(k)
+            continue
+        if views is None:
+            _broadcast(pg, buffer[:nbytes])
+            continue
+        offset = 0
+        if sending:
+            for i, start, stop in bucket:
+                staging[offset : offset + stop - start] = views[i][start:stop]
+                offset += stop - start
+        _broadcast(pg, buffer[:nbytes])
+        if not sending:
+            for i, start, stop in bucket:
+                views[i][start:stop] = staging[offset : offset + stop - start]
+                offset += stop - start
+            if progress is not None:
+                progress.bucket_done(k)
+
+
+class _Landed:
+    """Turns finished buckets into the stream-order prefix of bytes in place.
+
+    Small pieces wait in a shared bucket that travels after the large pieces behind them, so
+    buckets finish out of stream order; ``landed`` hears how far the data is complete from the
+    start, which is what a digest computed while receiving needs."""
+
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        plan: Sequence[Sequence[tuple[int, int, int]]],
+        landed: Callable[[int], None],
+    ) -> None:
+        starts = [0]
+        for length in lengths:
+            starts.append(starts[-1] + length)
+        # (global start, global stop, bucket) of every piece, in stream order
+        self._pieces = sorted(
+            (starts[i] + a, starts[i] + b, k) for k, bucket in enumerate(plan) for i, a, b in bucket
+        )
+        self._done: set[int] = set()
+        self._next = 0
+        self._landed = landed
+
+    def bucket_done(self, k: int) -> None:
+        self._done.add(k)
+        advanced = False
+        while self._next < len(self._pieces) and self._pieces[self._next][2] in self._done:
+            self._next += 1
+            advanced = True
+        if advanced:
+            self._landed(self._pieces[self._next - 1][1])
+
+
+def _send_stream(pg: Any, run_id: str, step: int, stream: EncodedStream, bucket_bytes: int) -> None:
+    views = stream.data_segments()
+    lengths = [len(v) for v in views]
+    frame = _StreamFrame(
+        run_id=run_id,
+        step=step,
+        size=stream.size,
+        digest=stream.digest,
+        header_bytes=len(stream.header),
+        segments=lengths,
+        bucket_bytes=bucket_bytes,
+    )
+    _send_frame(pg, frame)
+    _broadcast(pg, torch.frombuffer(bytearray(stream.header), dtype=torch.uint8))
+    _move_buckets(pg, lengths, bucket_bytes, views, sending=True)
+
+
+def _gloo_device(host: str) -> Any:
+    from torch.distributed import ProcessGroupGloo
+
+    interface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+    if interface:
+        return ProcessGroupGloo.create_device(interface=interface)
+    if _is_loopback(host):
+        return ProcessGroupGloo.create_device(hostname="127.0.0.1")
+    return ProcessGroupGloo.create_default_device()
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _new_group(store: Any, host: str, generation: int, rank: int, size: int, timeout: float) -> Any:
+    """Generation ``generation``'s gloo group; blocks until every rank connected (``timeout``)."""
+    from torch.distributed import PrefixStore, ProcessGroupGloo
+
+    # The options form is the one that takes a device; torch's own group helper uses it too.
+    options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._timeout = timedelta(seconds=timeout)
+    options._devices = [_gloo_device(host)]
+    return ProcessGroupGloo(PrefixStore(f"gen{generation}", store), rank, size, options)
+
+
+def _ready_key(generation: int, member: str) -> str:
+    return f"ready/gen{generation}/{member}"
+
+
+def location(host: str, port: int, generation: int, run_id: str, step: int) -> str:
+    """``collective://<host>:<port>/gen<g>/<run_id>/step_<n>``: group, generation, transfer."""
+    return f"collective://{host}:{port}/gen{generation}/{run_id}/step_{step}"
+
+
+def _check_location(where: str, event: WeightsReady) -> None:
+    parts = urlsplit(event.location)
+    path = parts.path.strip("/").split("/")
+    if (
+        parts.scheme != "collective"
+        or len(path) != 3
+        or path[1] != event.run_id
+        or path[2] != f"step_{event.step}"
+    ):
+        raise WeightsError(
+            f"{where}: location {event.location!r} is not this run's transfer "
+            f"(collective://<host>:<port>/gen<g>/{event.run_id}/step_{event.step})"
+        )
