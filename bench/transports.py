@@ -25,7 +25,10 @@ deterministic values) and a receiver process (an inference replica) fetches it, 
 Beside them, two more references measured in the same rounds: ``raw TCP + sha256``, the same
 socket transfer with the receiver hashing what has landed in a second thread while the rest
 arrives (the wire's limit for a transfer that is verified, which every plexrl transport is), and
-the rate at which the receiver hashes (sha256, one core) that many bytes on its own.
+the rate at which the receiver hashes (sha256, one core) that many bytes on its own, and
+``core NATS (nats-py)``: the same bytes as plain core-NATS messages of the server's max_payload
+(no JetStream, no digest) from the sender's client to the receiver's, the most any transport
+through the Python NATS client (the object store) can reach.
 
 MB/s = payload bytes / the receiver's time from being handed the announcement (the request, for
 raw TCP) to verified tensors in hand. Per size, the rounds alternate the order of the paths;
@@ -82,7 +85,7 @@ from services.model.peft_io import (
 )
 from services.weights import WeightPublisher, delete_blob, load_weights
 from services.weights.object_store import write_blob
-from services.weights.stream import EncodedStream
+from services.weights.stream import EncodedStream, byte_view
 
 MB = 1 << 20
 RANK = 16
@@ -102,6 +105,8 @@ COMMAND_TIMEOUT = 120.0
 
 RAW = "raw TCP"
 RAW_HASHED = "raw TCP + sha256"
+CORE_NATS = "core NATS (nats-py)"
+CORE_SUBJECT = "bench.transports.core"
 Fingerprint = dict[str, tuple[tuple[int, ...], str, int]]
 
 
@@ -230,6 +235,13 @@ class _Sender(_Side):
         self.publishers: dict[str, WeightPublisher] = {}
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.listener.settimeout(COMMAND_TIMEOUT)
+        # Subscribed once, long before any round, so no "go" can come before it is heard.
+        self.go: asyncio.Queue[None] = asyncio.Queue()
+
+        async def on_go(_msg: Any) -> None:
+            self.go.put_nowait(None)
+
+        await self.bus.nc.subscribe(f"{CORE_SUBJECT}.go", cb=on_go)
         return int(self.listener.getsockname()[1])
 
     async def payload(self, size_bytes: int) -> Fingerprint:
@@ -257,6 +269,18 @@ class _Sender(_Side):
             conn.recv(1)
             for tensor in self.state.values():
                 conn.sendall(tensor.numpy().data)
+
+    async def nats_serve(self) -> None:
+        """Publish the payload's bytes as plain core-NATS messages of up to the server's
+        max_payload, as soon as the receiver says go: the Python client's own ceiling."""
+        await self.go.get()
+        nc = self.bus.nc
+        piece = nc.max_payload or MB
+        for tensor in self.state.values():
+            view = byte_view(tensor)
+            for start in range(0, len(view), piece):
+                await nc.publish(f"{CORE_SUBJECT}.data", view[start : start + piece].tobytes())
+        await nc.flush()
 
     async def stage(self, transport: Transport, step: int) -> tuple[WeightsReady, float | None]:
         """Put the payload where the receiver will fetch it from: the announcement to send, and
@@ -326,6 +350,35 @@ class _Receiver(_Side):
         buffer = bytearray(4 * sum(math.prod(shape) for _, shape in layout))
         seconds = await asyncio.to_thread(_raw_fetch, port, buffer, hashed)
         view, offset, got = memoryview(buffer), 0, {}
+        for key, shape in layout:
+            end = offset + 4 * math.prod(shape)
+            got[key] = (shape, str(torch.float32), zlib.crc32(view[offset:end]))
+            offset = end
+        view.release()
+        return seconds, got
+
+    async def nats_fetch(self, layout: list[tuple[str, tuple[int, ...]]]) -> Any:
+        buffer = bytearray(4 * sum(math.prod(shape) for _, shape in layout))
+        view, received = memoryview(buffer), 0
+        done = asyncio.get_running_loop().create_future()
+
+        async def on_data(msg: Any) -> None:
+            nonlocal received
+            view[received : received + len(msg.data)] = msg.data
+            received += len(msg.data)
+            if received >= len(buffer) and not done.done():
+                done.set_result(None)
+
+        sub = await self.bus.nc.subscribe(
+            f"{CORE_SUBJECT}.data", cb=on_data, pending_bytes_limit=-1, pending_msgs_limit=-1
+        )
+        await self.bus.nc.flush()
+        start = time.monotonic()
+        await self.bus.nc.publish(f"{CORE_SUBJECT}.go", b"")
+        await done
+        seconds = time.monotonic() - start
+        await sub.unsubscribe()
+        offset, got = 0, {}
         for key, shape in layout:
             end = offset + 4 * math.prod(shape)
             got[key] = (shape, str(torch.float32), zlib.crc32(view[offset:end]))
@@ -496,6 +549,8 @@ def transfer(
     if path in (RAW, RAW_HASHED):
         fetch = ("raw_fetch", port, layout, path == RAW_HASHED)
         return tuple(both(sender, receiver, ("raw_serve",), fetch))  # type: ignore[return-value]
+    if path == CORE_NATS:
+        return tuple(both(sender, receiver, ("nats_serve",), ("nats_fetch", layout)))  # type: ignore[return-value]
     event, pushed = sender.call("stage", path, next(_steps))
     try:
         return tuple(receiver.call("fetch", event, pushed))  # type: ignore[return-value]
@@ -515,7 +570,7 @@ def throughput(
     expected = sender.call("payload", int(size_mb * MB))
     layout = [(key, shape) for key, (shape, _, _) in expected.items()]
     nbytes = 4 * sum(math.prod(shape) for _, shape in layout)
-    paths = [RAW, RAW_HASHED, *(t for t in transports if t not in unavailable)]
+    paths = [RAW, RAW_HASHED, CORE_NATS, *(t for t in transports if t not in unavailable)]
     seconds: dict[str, list[float]] = {p: [] for p in paths}
     failed: dict[str, str] = {}
     for r in range(repeats):
@@ -543,6 +598,14 @@ def throughput(
         f"| {size_mb:g} MB | (sha256 alone, one core: not a transport) | {sha:,.0f} "
         f"| {sha / raw:.2f}x | {sha / verified:.2f}x | reference |",
     ]
+    if CORE_NATS in failed:
+        rows.append(f"| {size_mb:g} MB | {CORE_NATS} | n/a ({failed[CORE_NATS]}) | — | — | |")
+    else:
+        core = nbytes / MB / statistics.median(seconds[CORE_NATS])
+        rows.append(
+            f"| {size_mb:g} MB | {CORE_NATS}, max_payload messages, no JetStream | {core:,.0f} "
+            f"| {core / raw:.2f}x | {core / verified:.2f}x | reference: the Python client's ceiling |"
+        )
     for transport in transports:
         target = TARGETS[transport]
         goal = f"≥ {target:.1f}x" if target else "—"
