@@ -257,6 +257,17 @@ async def test_two_replicas_share_the_load_and_answer_each_request_once(
     runs = [f"run_{uid}_{i}" for i in range(4)]
     for idx, run_id in enumerate(runs):
         await discover(bus, run_id, idx=idx)
+    # Each replica first replays the session's streams (every earlier test's runs and adapters),
+    # which on a loaded machine can take longer than a request's own wait: this test is about
+    # sharing the load, so it starts once both replicas serve all four runs.
+    for _ in range(3000):
+        if all(
+            r.engine.available_version(idx, run_id) is not None
+            for r in (first, second)
+            for idx, run_id in enumerate(runs)
+        ):
+            break
+        await asyncio.sleep(0.05)
     inbox = f"_INBOX.{uid}"
     replies: list[tuple[str, GenerateResponse]] = []
 
@@ -274,7 +285,7 @@ async def test_two_replicas_share_the_load_and_answer_each_request_once(
     await asyncio.sleep(0.3)  # a duplicate answer would arrive by now
     await sub.unsubscribe()
     assert sorted(r.request_id for _, r in replies) == sorted(f"r{i}" for i in range(40))
-    assert all(r.error is None for _, r in replies)
+    assert all(r.error is None for _, r in replies), [r.error for _, r in replies if r.error]
     by_replica = {
         name: sum(1 for n, _ in replies if n == name) for name in ("replica-a", "replica-b")
     }
