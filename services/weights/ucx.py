@@ -152,6 +152,23 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _drop_frames(exc: BaseException) -> None:
+    """Clear the tracebacks of a ucxx error caught on an endpoint the listener accepted.
+
+    The failed request's future keeps the exception alive from inside ucxx, and its traceback
+    keeps the frames that hold the endpoint, so the endpoint is never released; an accepted
+    endpoint keeps its listener alive in UCX after :meth:`UcxWeightServer.close` has dropped
+    the Python listener, whose callback data is freed with it. A connection request to the
+    closed port then runs the listener callback on freed memory (KeyError 'cb_func', or a
+    segfault in the progress thread, or silent heap corruption)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        current.__traceback__ = None
+        current = current.__cause__ or current.__context__
+
+
 _orphans: set[asyncio.Future[Any]] = set()
 """Requests given up on, kept referenced until the aborted endpoint ends them."""
 
@@ -303,7 +320,8 @@ class UcxWeightServer:
                 frame = bytearray(REQUEST_BYTES)
                 try:
                     await ep.recv(memoryview(frame), tag=REQUEST_TAG)
-                except errors:
+                except errors as exc:
+                    _drop_frames(exc)
                     return  # the replica closed its endpoint or died
                 task = asyncio.create_task(self._serve_request(ep, bytes(frame)))
                 self._tasks.add(task)
@@ -333,6 +351,7 @@ class UcxWeightServer:
             log.info("ucx weight server: request %d failed: %s", request_id, _describe(exc))
             self._endpoints.discard(ep)
             ep.abort()
+            _drop_frames(exc)
 
     async def _send_stream(self, ep: Any, request_id: int, stream: EncodedStream) -> None:
         """The header, then the data pieces, each on its own tag."""

@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import json
 import signal
+import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -315,3 +316,53 @@ async def test_a_trainer_killed_mid_transfer_fails_the_load_and_the_previous_ver
         if trainer.returncode is None:
             trainer.kill()
             await trainer.wait()
+
+
+_CLOSED_SERVER = """
+import asyncio, gc, torch
+from schemas.events import LoraSpec, WeightsReady
+from services.weights import EncodedStream, WeightsError
+from services.weights import ucx
+
+async def main():
+    stream = EncodedStream.from_state_dict({"a": torch.arange(1000, dtype=torch.float32)})
+    server = ucx.UcxWeightServer(keep_last=4, chunk_bytes=1 << 14)
+    await server.start()
+    location = await server.send("run_closed", 1, stream)
+    event = WeightsReady(run_id="run_closed", idx=0, step=1, transport="ucx", location=location,
+        digest=stream.digest, size_bytes=stream.size,
+        lora=LoraSpec(rank=4, alpha=8.0, target_modules=["q_proj"]))
+    client = ucx.UcxWeightClient(connect_timeout=2.0)
+    got = await client.fetch(event)
+    print("RESULT first", bool(torch.equal(got["a"], torch.arange(1000, dtype=torch.float32))))
+    await server.close()
+    gc.collect()
+    for _ in range(3):
+        try:
+            await client.fetch(event)
+            print("RESULT fetched from a closed server")
+        except WeightsError:
+            print("RESULT refused")
+        await asyncio.sleep(0.1)
+    await client.close()
+
+asyncio.run(main())
+"""
+
+
+def test_asking_a_closed_server_is_a_clear_error_not_a_crash() -> None:
+    # A closed server's listener used to outlive it in UCX (an accepted endpoint, kept alive
+    # by a traceback, held it), and a connection to the closed port then ran the listener's
+    # callback on freed memory: KeyError 'cb_func', or a segfault about one time in two.
+    done = subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-c", _CLOSED_SERVER],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    # (ucxx writes its own log lines to stdout as well)
+    results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert results == ["RESULT first True"] + ["RESULT refused"] * 3
+    assert "cb_func" not in done.stdout + done.stderr
+    assert "SystemError" not in done.stdout + done.stderr
