@@ -349,13 +349,7 @@ class _Receiver(_Side):
         # afterwards, so that it adds nothing to the peak memory of the other transports.
         buffer = bytearray(4 * sum(math.prod(shape) for _, shape in layout))
         seconds = await asyncio.to_thread(_raw_fetch, port, buffer, hashed)
-        view, offset, got = memoryview(buffer), 0, {}
-        for key, shape in layout:
-            end = offset + 4 * math.prod(shape)
-            got[key] = (shape, str(torch.float32), zlib.crc32(view[offset:end]))
-            offset = end
-        view.release()
-        return seconds, got
+        return seconds, _buffer_fingerprint(buffer, layout)
 
     async def nats_fetch(self, layout: list[tuple[str, tuple[int, ...]]]) -> Any:
         buffer = bytearray(4 * sum(math.prod(shape) for _, shape in layout))
@@ -378,13 +372,8 @@ class _Receiver(_Side):
         await done
         seconds = time.monotonic() - start
         await sub.unsubscribe()
-        offset, got = 0, {}
-        for key, shape in layout:
-            end = offset + 4 * math.prod(shape)
-            got[key] = (shape, str(torch.float32), zlib.crc32(view[offset:end]))
-            offset = end
         view.release()
-        return seconds, got
+        return seconds, _buffer_fingerprint(buffer, layout)
 
     async def hash_rate(self, nbytes: int) -> float:
         """Seconds to sha256 ``nbytes`` on one core (the median of three)."""
@@ -439,6 +428,17 @@ class _Receiver(_Side):
         if self.sub is not None:
             await self.sub.unsubscribe()
         self.sub = self.done = None
+
+
+def _buffer_fingerprint(buffer: bytearray, layout: list[tuple[str, tuple[int, ...]]]) -> Any:
+    """What ``fingerprint`` gives for tensors, from float32 tensors laid end to end in ``buffer``."""
+    got, offset = {}, 0
+    with memoryview(buffer) as view:
+        for key, shape in layout:
+            end = offset + 4 * math.prod(shape)
+            got[key] = (shape, str(torch.float32), zlib.crc32(view[offset:end]))
+            offset = end
+    return got
 
 
 def _raw_fetch(port: int, buffer: bytearray, hashed: bool = False) -> float:

@@ -6,11 +6,11 @@ import asyncio
 import logging
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import nats.errors
@@ -51,6 +51,8 @@ from services.weights.errors import WeightsError
 from services.weights.stream import StreamDecoder
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -126,21 +128,29 @@ class CollectiveReceiver:
 
     async def joined(self, timeout: float = TIMEOUT) -> int:
         """Wait until this replica takes part in a generation; which one."""
+        generation = await self._until(lambda: self.generation, timeout)
+        if generation is None:
+            raise WeightsError(
+                f"collective replica {self.member_id} joined no group within {timeout:g}s "
+                f"(is a trainer with weight transport 'collective' up on this bus?)"
+            )
+        return generation
+
+    async def _until(self, ready: Callable[[], _T | None], timeout: float) -> _T | None:
+        """What ``ready()`` returns once it is not None, re-asked at every change the receiving
+        thread notes; None after ``timeout`` seconds."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while self.generation is None:
-            changed = self._changed
+        while True:
+            changed = self._changed  # before asking, so a change in between is not missed
+            value = ready()
             remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise WeightsError(
-                    f"collective replica {self.member_id} joined no group within {timeout:g}s "
-                    f"(is a trainer with weight transport 'collective' up on this bus?)"
-                )
+            if value is not None or remaining <= 0:
+                return value
             try:
                 await asyncio.wait_for(changed.wait(), remaining)
             except TimeoutError:
                 pass
-        return self.generation
 
     def receive_into(self, run_id: str, destination: Mapping[str, Tensor]) -> None:
         """Receive ``run_id``'s next transfers straight into ``destination``'s tensors."""
@@ -159,36 +169,30 @@ class CollectiveReceiver:
         _check_location(where, event)
         if destination is not None:
             self.receive_into(event.run_id, destination)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.fetch_timeout
-        while True:
-            changed = self._changed
+
+        def arrived() -> _Received | None:
             with self._lock:
                 steps = self._received.get(event.run_id, {})
                 got = steps.get(event.step)
                 newest = max(steps, default=None)
-            if got is not None:
-                break
-            if newest is not None and newest > event.step:
+            if got is None and newest is not None and newest > event.step:
                 raise WeightsError(
                     f"{where}: step {newest} of the run arrived over the collective group "
                     "instead; this step is gone (superseded)"
                 )
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                where_now = (
-                    f"member of generation {self.generation}"
-                    if self.generation is not None
-                    else "not in a group (still joining)"
-                )
-                raise WeightsError(
-                    f"{where}: not received over the collective group within "
-                    f"{self.fetch_timeout:g}s; replica {self.member_id} is {where_now}"
-                )
-            try:
-                await asyncio.wait_for(changed.wait(), remaining)
-            except TimeoutError:
-                pass
+            return got
+
+        got = await self._until(arrived, self.fetch_timeout)
+        if got is None:
+            where_now = (
+                f"member of generation {self.generation}"
+                if self.generation is not None
+                else "not in a group (still joining)"
+            )
+            raise WeightsError(
+                f"{where}: not received over the collective group within "
+                f"{self.fetch_timeout:g}s; replica {self.member_id} is {where_now}"
+            )
         if got.error is not None:
             raise WeightsError(got.error)
         if got.size != event.size_bytes or got.digest != event.digest:
