@@ -45,6 +45,7 @@ TokenId = Annotated[int, msgspec.Meta(ge=0)]
 Digest = Annotated[str, msgspec.Meta(pattern=r"^sha256:[0-9a-f]{64}(?!\n)$")]
 ShortText = Annotated[str, msgspec.Meta(max_length=16384)]
 Transport = Literal["object_store", "filesystem", "ucx", "collective"]
+WeightKind = Literal["lora", "full"]
 FinishReason = Literal["stop", "length"]
 
 
@@ -178,6 +179,12 @@ class WeightsReady(Event, frozen=True, kw_only=True, tag="weights_ready"):
     Subject: ``plexrl.weights.<run_id>``. ``location`` is read according to ``transport``: an
     object-store key ``<run_id>/step_<n>``, a PEFT directory, a UCX address or a collective
     group name. ``digest`` is ``sha256:<hex>`` of the stored safetensors bytes.
+
+    ``kind`` says what the tensors are: absent or ``lora`` (every message before the field
+    existed), the run's adapter with PEFT key names, shaped as ``lora`` says; or ``full``, the
+    whole model's state dict (Hugging Face key names) of a trainer that trains without LoRA (one
+    run, ``max_runs = 1``), where ``lora`` is the run's configured adapter and unused. An adapter
+    announcement leaves it out, so it stays byte for byte what it was.
     """
 
     run_id: RunId
@@ -188,6 +195,12 @@ class WeightsReady(Event, frozen=True, kw_only=True, tag="weights_ready"):
     digest: Digest
     size_bytes: NonNegInt
     lora: LoraSpec
+    kind: WeightKind | msgspec.UnsetType = msgspec.UNSET
+
+    @property
+    def is_full(self) -> bool:
+        """The tensors are a whole model's state dict, not an adapter."""
+        return self.kind == "full"
 
 
 # --- generation (request/reply, queue group ``inference``) ------------------------------------
