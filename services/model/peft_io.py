@@ -1,10 +1,15 @@
-"""Adapters on the wire and on disk, in the formats PEFT and vLLM read.
+"""Adapters and full weights on the wire and on disk, in the formats PEFT, vLLM and HF read.
 
 Every weight transport carries an adapter as safetensors bytes with PEFT key names
 (``base_model.model.<module path>.lora_A.weight`` [r, in] and ``...lora_B.weight`` [out, r]).
 ``WeightsReady.digest`` is the sha256 of exactly those bytes, so a receiver checks what it got
 before loading it. The filesystem transport writes a PEFT directory (``adapter_config.json`` and
 ``adapter_model.safetensors``) that ``PeftModel.from_pretrained`` and vLLM load as it is.
+
+Full weights (a trainer without LoRA) are the model's state dict with Hugging Face key names,
+as a safetensors stream (:class:`services.weights.stream.EncodedStream`); the filesystem
+transport writes it to :data:`FULL_WEIGHTS_FILE` in a directory of its own, written from the
+tensors' memory piece by piece, never assembled in one buffer.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +30,8 @@ from safetensors.torch import save as st_save
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+FULL_WEIGHTS_FILE = "model.safetensors"
+"""The file of full weights in a broadcast directory, named as Hugging Face names a model's."""
 
 
 class AdapterFormatError(ValueError):
@@ -102,17 +109,49 @@ def write_peft_dir(
     so a reader polling ``path`` sees either nothing, the previous adapter or the complete new
     one, never half a file.
     """
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
     config = peft_adapter_config(rank, alpha, target_modules, base_model_path)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+
+    def fill(staging: Path) -> None:
         (staging / ADAPTER_WEIGHTS).write_bytes(adapter_to_bytes(state_dict))
         (staging / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    return _replace_dir(Path(path), fill)
+
+
+def write_full_weights_dir(path: Path | str, pieces: Iterable[memoryview | bytes]) -> Path:
+    """Write ``pieces``, one after the other, to ``path``/:data:`FULL_WEIGHTS_FILE`, atomically
+    as :func:`write_peft_dir` writes; returns the path.
+
+    ``pieces`` are the safetensors stream of a model's state dict
+    (:meth:`EncodedStream.segments <services.weights.stream.EncodedStream.segments>`): the
+    header, then each tensor's own memory, so the file is written without a serialised copy.
+    """
+
+    def fill(staging: Path) -> None:
+        with (staging / FULL_WEIGHTS_FILE).open("wb", buffering=0) as file:
+            for piece in pieces:
+                view = memoryview(piece).cast("B")
+                while len(view):  # a raw write may take less than it was given
+                    view = view[file.write(view) :]
+
+    return _replace_dir(Path(path), fill)
+
+
+def _replace_dir(target: Path, fill: Callable[[Path], None]) -> Path:
+    """Make ``target`` a directory that ``fill`` wrote, replacing any earlier one at once.
+
+    The files are written into a temporary sibling directory that is then renamed into place,
+    so a reader polling ``target`` sees either nothing, the previous version or the complete new
+    one, never half a file.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        fill(staging)
         os.chmod(staging, 0o755)
         if target.exists():
             # rename() cannot replace a non-empty directory; move the old one aside first so
-            # the window without an adapter is one rename long.
+            # the window without weights is one rename long.
             retired = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
             os.replace(target, retired / target.name)
             os.replace(staging, target)

@@ -5,14 +5,19 @@ The layout is the standard NATS object store, so any client (nats CLI, Go, nats-
 are messages on ``$O.<bucket>.C.<nuid>`` in the stream ``OBJ_<bucket>``, and its description
 (nuid, size, chunk count, ``SHA-256=`` digest) is the last message on ``$O.<bucket>.M.<b64 key>``.
 
-Two things differ from nats-py's ``ObjectStore.put``/``get``, both for speed:
+Three things differ from nats-py's ``ObjectStore.put``/``get``, for speed and for memory:
 
 - ``get`` there concatenates ``bytes`` chunk by chunk, which is quadratic (about 7 MB/s on a
   50 MB object). Here chunks are copied into one preallocated buffer, in order, from an ordered
   consumer, and the count, size and digest are checked against the object's description.
+- :func:`stream_blob` reads an object without holding it at all: each chunk goes to the
+  caller as it arrives (full weights land straight in a model's parameters, see
+  :meth:`services.weights.stream.StreamDecoder.feed`), so a model is never in memory twice.
 - ``put`` there waits for each chunk's acknowledgement before sending the next, 128 KiB at a
   time. Here chunks are up to 1 MiB (never above the server's ``max_payload``) and up to
-  :data:`PUBLISH_WINDOW` of them are in flight at once.
+  :data:`PUBLISH_WINDOW` of them are in flight at once; :func:`write_blob` also takes the
+  object as a sequence of pieces (a state dict's tensors, viewed as bytes), cut into chunks
+  as they go, so no copy of the whole object is made.
 
 ``delete_blob`` purges an object's description as well as its chunks instead of leaving a
 tombstone, so a store that keeps only the last few adapters of each run stays bounded.
@@ -29,6 +34,7 @@ import json
 import re
 import weakref
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import NamedTuple
@@ -96,6 +102,13 @@ class Blob(NamedTuple):
     digest: str
 
 
+Pieces = bytes | bytearray | memoryview | Iterable[bytes | bytearray | memoryview]
+"""An object's bytes: in one buffer, or as buffers that follow each other."""
+
+Sink = Callable[[bytes], None]
+"""Takes an object's chunks in order, as :func:`stream_blob` reads them."""
+
+
 async def put_blob(bus: Bus, key: str, data: bytes) -> None:
     """Store ``data`` under ``key``, replacing (and purging) any previous object of that key."""
     await write_blob(bus, key, data, sha256_digest(data))
@@ -137,11 +150,13 @@ async def list_keys(bus: Bus, timeout: float = 30.0) -> list[str]:
     return [info.name for info in infos if not info.deleted]
 
 
-async def write_blob(bus: Bus, key: str, data: bytes, digest: str) -> None:
-    """:func:`put_blob` for a caller that already holds ``digest`` = ``sha256_digest(data)``.
+async def write_blob(bus: Bus, key: str, data: Pieces, digest: str) -> None:
+    """:func:`put_blob` for a caller that already holds ``digest``, the sha256 of ``data``.
 
-    The publisher hashes an adapter for its WeightsReady event anyway; passing the digest in
-    saves hashing the same bytes twice.
+    The publisher hashes what it stores for its WeightsReady event anyway; passing the digest
+    in saves hashing the same bytes twice. ``data`` is one buffer, or buffers that follow each
+    other (:meth:`EncodedStream.segments <services.weights.stream.EncodedStream.segments>`),
+    cut into chunks across their boundaries: only one chunk at a time is copied.
     """
     store = (await _bucket(bus)).store
     _valid_key(key)
@@ -153,22 +168,23 @@ async def write_blob(bus: Bus, key: str, data: bytes, digest: str) -> None:
     chunk_size = max(1, min(CHUNK_SIZE, max_payload))
     nuid = _nuid.next().decode()
     chunk_subject = _chunk_subject(nuid)
-    view = memoryview(data)
-    num_chunks = (len(data) + chunk_size - 1) // chunk_size
+    pieces = [data] if isinstance(data, bytes | bytearray | memoryview) else data
+    size = num_chunks = 0
     in_flight: deque[asyncio.Future[api.PubAck]] = deque()
     try:
-        for i in range(num_chunks):
+        for chunk in _rechunk(pieces, chunk_size):
             if len(in_flight) >= PUBLISH_WINDOW:
                 await asyncio.wait_for(in_flight.popleft(), ACK_TIMEOUT)
-            chunk = bytes(view[i * chunk_size : (i + 1) * chunk_size])
             in_flight.append(await bus.js.publish_async(chunk_subject, chunk))
+            size += len(chunk)
+            num_chunks += 1
         while in_flight:
             await asyncio.wait_for(in_flight.popleft(), ACK_TIMEOUT)
         info = api.ObjectInfo(
             name=key,
             bucket=BUCKET,
             nuid=nuid,
-            size=len(data),
+            size=size,
             chunks=num_chunks,
             mtime=datetime.now(UTC).isoformat(),
             digest=OBJ_DIGEST_TYPE + _b64_digest(digest),
@@ -190,7 +206,7 @@ async def write_blob(bus: Bus, key: str, data: bytes, digest: str) -> None:
         with contextlib.suppress(TimeoutError, nats.errors.Error):
             await bus.js.purge_stream(STREAM, subject=chunk_subject)
         raise BlobError(
-            f"could not store {key!r} ({len(data)} bytes) in object store {BUCKET!r}: "
+            f"could not store {key!r} in object store {BUCKET!r} (failed after {size} bytes): "
             f"{type(exc).__name__}: {exc}"
         ) from exc
     if previous is not None and previous.nuid and not previous.deleted:
@@ -206,13 +222,16 @@ async def read_blob(
     deadline = loop.time() + timeout
     info = await _info(bucket.store, key)
     for attempt in (1, 2):
-        if expected_size is not None and info.size != expected_size:
-            raise BlobError(
-                f"object {key!r} holds {info.size} bytes, {expected_size} were expected"
-            )
-        got = await _read_object(bus, bucket, key, info, deadline)
-        if got is not None:
-            return got
+        _check_expected(key, info, expected_size, None)
+        assembly = _Assembly(info.size or 0)
+        if await _read_object(bus, bucket, key, info, deadline, assembly.take):
+            if info.digest and assembly.hasher.digest() != _raw_digest(info.digest):
+                raise BlobError(
+                    f"object {key!r}: the {info.size} bytes read back do not match the object's "
+                    f"SHA-256 digest {info.digest} (the store is corrupt or the object changed "
+                    "while read)"
+                )
+            return Blob(assembly.data(), "sha256:" + assembly.hasher.hexdigest())
         # The chunks stopped coming: the key may have been deleted (BlobNotFoundError here) or
         # overwritten (a new nuid) while it was read. Follow an overwrite once.
         current = await _info(bucket.store, key)
@@ -225,53 +244,111 @@ async def read_blob(
     )
 
 
+async def stream_blob(
+    bus: Bus,
+    key: str,
+    sink: Sink,
+    *,
+    expected_size: int | None = None,
+    expected_digest: str | None = None,
+    timeout: float = 30.0,
+) -> None:
+    """Hand the chunks stored under ``key`` to ``sink``, in order, without keeping them.
+
+    ``expected_size`` and ``expected_digest`` (``sha256:<hex>``) are checked against the
+    object's description before the first chunk is read, so an object replaced by other bytes
+    is refused before anything reaches ``sink``. The bytes themselves are not hashed here: the
+    sink checks what it received (:meth:`StreamDecoder.finish
+    <services.weights.stream.StreamDecoder.finish>`), against the digest checked to be the
+    object's. Whatever ``sink`` raises ends the read and propagates. :class:`BlobNotFoundError`
+    for a missing key (or one deleted while it was read), :class:`BlobError` for the rest: an
+    object overwritten while read is not followed, since part of it reached ``sink`` already.
+    """
+    bucket = await _bucket(bus)
+    deadline = asyncio.get_running_loop().time() + timeout
+    info = await _info(bucket.store, key)
+    _check_expected(key, info, expected_size, expected_digest)
+    if await _read_object(bus, bucket, key, info, deadline, sink):
+        return
+    if (await _info(bucket.store, key)).nuid != info.nuid:
+        raise BlobError(f"object {key!r} was replaced while it was read")
+    raise BlobError(
+        f"object {key!r}: not all of its {info.chunks} chunks ({info.size} bytes) arrived "
+        f"within {timeout:g}s"
+    )
+
+
+def _check_expected(key: str, info: api.ObjectInfo, size: int | None, digest: str | None) -> None:
+    if size is not None and info.size != size:
+        raise BlobError(f"object {key!r} holds {info.size} bytes, {size} were expected")
+    if digest is not None and info.digest:
+        stored = _raw_digest(info.digest)
+        if stored != bytes.fromhex(digest.removeprefix("sha256:")):
+            raise BlobError(
+                f"object {key!r} holds other bytes than expected: its digest is "
+                f"sha256:{stored.hex()}, {digest} was expected (overwritten since?)"
+            )
+
+
+class _Assembly:
+    """A sink that puts an object's chunks together in one preallocated buffer, hashing them."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.hasher = hashlib.sha256()
+        self._buffer: bytearray | None = None
+        self._whole: bytes | None = None
+        self._offset = 0
+
+    def take(self, chunk: bytes) -> None:
+        # Hashing chunk by chunk overlaps with the server sending the next ones.
+        self.hasher.update(chunk)
+        if self._offset == 0 and len(chunk) == self.size:
+            self._whole = chunk  # the only chunk (every adapter up to 1 MiB): no copy
+        else:
+            if self._buffer is None:
+                self._buffer = bytearray(self.size)
+            self._buffer[self._offset : self._offset + len(chunk)] = chunk
+        self._offset += len(chunk)
+
+    def data(self) -> bytes:
+        if self._whole is not None:
+            return self._whole
+        return bytes(self._buffer) if self._buffer is not None else b""
+
+
 async def _read_object(
-    bus: Bus, bucket: _Bucket, key: str, info: api.ObjectInfo, deadline: float
-) -> Blob | None:
-    """The object described by ``info``, or None when its chunks stop coming before the
-    deadline (or vanish). Any other inconsistency raises :class:`BlobError`."""
+    bus: Bus, bucket: _Bucket, key: str, info: api.ObjectInfo, deadline: float, sink: Sink
+) -> bool:
+    """Hand each chunk of the object ``info`` describes to ``sink``, in order; False when they
+    stop coming before the deadline (or vanish). A chunk count or size other than the
+    description's raises :class:`BlobError`."""
     size, num_chunks = info.size or 0, info.chunks or 0
-    hasher = hashlib.sha256()
     if num_chunks == 1 and bucket.direct:
         # One chunk (every adapter up to 1 MiB): a direct get is one request, no consumer.
         try:
             msg = await bus.js.get_last_msg(STREAM, _chunk_subject(info.nuid), direct=True)
         except (NotFoundError, nats.errors.TimeoutError):
-            return None
+            return False
         data = msg.data or b""
-        hasher.update(data)
-    else:
-        buffer = bytearray(size)
-        if not await _stream_chunks(
-            bus, bucket.store, key, info, deadline, memoryview(buffer), hasher
-        ):
-            return None
-        data = bytes(buffer)
-    if len(data) != size:
-        raise BlobError(
-            f"object {key!r}: {num_chunks} chunks hold {len(data)} bytes, its description "
-            f"says {size}"
-        )
-    if info.digest and hasher.digest() != _raw_digest(info.digest):
-        raise BlobError(
-            f"object {key!r}: the {size} bytes read back do not match the object's SHA-256 "
-            f"digest {info.digest} (the store is corrupt or the object changed while read)"
-        )
-    return Blob(data, "sha256:" + hasher.hexdigest())
+        if len(data) != size:
+            raise BlobError(
+                f"object {key!r}: {num_chunks} chunks hold {len(data)} bytes, its description "
+                f"says {size}"
+            )
+        sink(data)
+        return True
+    return await _stream_chunks(bus, bucket.store, key, info, deadline, sink)
 
 
 async def _stream_chunks(
-    bus: Bus,
-    store: ObjectStore,
-    key: str,
-    info: api.ObjectInfo,
-    deadline: float,
-    view: memoryview,
-    hasher: hashlib._Hash,
+    bus: Bus, store: ObjectStore, key: str, info: api.ObjectInfo, deadline: float, sink: Sink
 ) -> bool:
-    """Copy every chunk into ``view`` in order; False when they stop before the deadline."""
-    num_chunks = info.chunks or 0
+    """Hand every chunk to ``sink`` in order; False when they stop before the deadline."""
+    size, num_chunks = info.size or 0, info.chunks or 0
     if not num_chunks:
+        if size:
+            raise BlobError(f"object {key!r}: no chunks hold its described {size} bytes")
         return True
     loop = asyncio.get_running_loop()
     offset = received = 0
@@ -292,24 +369,43 @@ async def _stream_chunks(
                     return False
                 continue
             chunk = msg.data
-            if offset + len(chunk) > len(view):
+            if offset + len(chunk) > size:
                 raise BlobError(
                     f"object {key!r}: chunk {received + 1} of {num_chunks} overruns its "
-                    f"described size of {len(view)} bytes"
+                    f"described size of {size} bytes"
                 )
-            view[offset : offset + len(chunk)] = chunk
-            # Hashing chunk by chunk overlaps with the server sending the next ones.
-            hasher.update(chunk)
+            sink(chunk)
             offset += len(chunk)
             received += 1
     finally:
         await sub.unsubscribe()
-    if offset != len(view):
+    if offset != size:
         raise BlobError(
-            f"object {key!r}: {num_chunks} chunks hold {offset} bytes, its description says "
-            f"{len(view)}"
+            f"object {key!r}: {num_chunks} chunks hold {offset} bytes, its description says {size}"
         )
     return True
+
+
+def _rechunk(pieces: Iterable[bytes | bytearray | memoryview], chunk_size: int) -> Iterator[bytes]:
+    """The bytes of ``pieces``, one after the other, in chunks of ``chunk_size`` (the last one
+    shorter); a chunk may span pieces. Each chunk is the only copy made."""
+    pending = bytearray()
+    for piece in pieces:
+        view = memoryview(piece).cast("B")
+        if pending:
+            take = min(chunk_size - len(pending), len(view))
+            pending += view[:take]
+            view = view[take:]
+            if len(pending) < chunk_size:
+                continue
+            yield bytes(pending)
+            pending = bytearray()
+        whole = len(view) - len(view) % chunk_size
+        for start in range(0, whole, chunk_size):
+            yield bytes(view[start : start + chunk_size])
+        pending += view[whole:]
+    if pending:
+        yield bytes(pending)
 
 
 async def _bucket(bus: Bus) -> _Bucket:

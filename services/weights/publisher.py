@@ -1,11 +1,15 @@
-"""Publish a run's adapter after an optimizer step: store it, announce it, drop old versions.
+"""Publish a run's weights after an optimizer step: store them, announce them, drop old versions.
 
-The trainer calls :meth:`WeightPublisher.publish` once per run and step. The adapter is
-serialised as safetensors with PEFT key names and stored by the configured transport:
+The trainer calls :meth:`WeightPublisher.publish` once per run and step, with the run's adapter
+(``kind="lora"``, PEFT key names) or, from a trainer without LoRA, the whole model's state dict
+(``kind="full"``, Hugging Face key names). Either is stored as safetensors by the configured
+transport:
 
-- ``object_store``: key ``<run_id>/step_<n>`` in ``plexrl-weights``;
-- ``filesystem``: ``{output_dir}/<run_id>/broadcast/step_<n>/``, a PEFT directory written
-  atomically, which vLLM and PEFT load as it is;
+- ``object_store``: key ``<run_id>/step_<n>`` in ``plexrl-weights``; full weights are written
+  chunk by chunk from the tensors' own memory, never assembled in one buffer;
+- ``filesystem``: ``{output_dir}/<run_id>/broadcast/step_<n>/``, written atomically: a PEFT
+  directory for an adapter, which vLLM and PEFT load as it is, or ``model.safetensors``
+  (:data:`~services.model.peft_io.FULL_WEIGHTS_FILE`) for full weights;
 - ``ucx`` and ``collective``: handed as an :class:`~services.weights.stream.EncodedStream` (the
   safetensors bytes as views of the snapshot, never assembled) to a
   :class:`~services.weights.transport.WeightSender`, which says where replicas find it: a
@@ -14,8 +18,11 @@ serialised as safetensors with PEFT key names and stored by the configured trans
 
 Then a WeightsReady event goes to ``plexrl.weights.<run_id>`` (message id
 ``<run_id>/weights/step_<n>``), carrying the sha256 digest and size of the stored safetensors
-bytes. Only then are versions older than the newest ``keep_last`` removed, so neither the disk nor
-the store grows with the number of steps, and the version just announced is never among them.
+bytes, and ``kind="full"`` for full weights (an adapter's event leaves ``kind`` out, so its bytes
+are what they always were). Only then are versions older than the newest ``keep_last`` removed,
+so neither the disk nor the store grows with the number of steps, and the version just announced
+is never among them. A direct sender holds its versions in the trainer's memory, where a whole
+model is costly: of a full-weight run it keeps only the version just sent.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from services.model.peft_io import (
     ADAPTER_WEIGHTS,
     adapter_to_bytes,
     sha256_digest,
+    write_full_weights_dir,
     write_peft_dir,
 )
 from services.weights.object_store import BlobError, delete_blob, list_keys, write_blob
@@ -48,12 +56,13 @@ from services.weights.transport import WeightSender
 log = logging.getLogger(__name__)
 
 PublishTransport = Literal["object_store", "filesystem", "ucx", "collective"]
+PublishKind = Literal["lora", "full"]
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _NO_DIGEST = "sha256:" + "0" * 64
 
 
 class WeightPublisher:
-    """Stores and announces the adapters of every run on one trainer."""
+    """Stores and announces the weights of every run on one trainer."""
 
     def __init__(
         self,
@@ -118,12 +127,20 @@ class WeightPublisher:
         state_dict: Mapping[str, Tensor],
         lora: LoraSpec,
         base_model_path: str = "",
+        *,
+        kind: PublishKind = "lora",
     ) -> WeightsReady:
-        """Store ``state_dict`` as ``run_id``'s adapter at ``step``, announce it, return the event.
+        """Store ``state_dict`` as ``run_id``'s weights at ``step``, announce them, return the
+        event.
 
-        The tensors are copied before the first ``await``, so the caller may go on training the
-        adapter while it is being stored.
+        ``kind`` says what ``state_dict`` is: ``"lora"``, the run's adapter (``lora`` describes
+        it), or ``"full"``, the whole model's state dict (``lora`` is the run's configured
+        adapter, announced but unused). The tensors are copied before the first ``await``, so
+        the caller may go on training while they are being stored.
         """
+        if kind not in ("lora", "full"):
+            raise ValueError(f"kind must be 'lora' or 'full', got {kind!r}")
+        full = kind == "full"
         announced = WeightsReady(
             run_id=run_id,
             idx=idx,
@@ -133,12 +150,15 @@ class WeightPublisher:
             digest=_NO_DIGEST,
             size_bytes=0,
             lora=lora,
+            kind="full" if full else msgspec.UNSET,
         )
         _check_schema(announced)
         snapshot = {k: t.detach().to("cpu", copy=True) for k, t in state_dict.items()}
         stored = await self._stored_steps(run_id)
         if self.sender is not None:
             location, digest, size = await self._send(run_id, step, snapshot)
+        elif full:
+            location, digest, size = await self._store_stream(run_id, step, snapshot)
         elif self.transport == "object_store":
             location, digest, size = await self._put_object(run_id, step, snapshot)
         else:
@@ -156,7 +176,9 @@ class WeightPublisher:
         )
         if ack.duplicate:
             log.info("%s step %d: WeightsReady already announced", run_id, step)
-        await self._collect_garbage(run_id, step, stored)
+        # A sender holds each version it keeps in memory: of a whole model, only the newest.
+        keep = 1 if full and self.sender is not None else self.keep_last
+        await self._collect_garbage(run_id, step, stored, keep)
         return event
 
     async def _send(
@@ -168,6 +190,21 @@ class WeightPublisher:
         stream = await asyncio.to_thread(EncodedStream.from_state_dict, snapshot)
         location = await self.sender.send(run_id, step, stream)
         return location, stream.digest, stream.size
+
+    async def _store_stream(
+        self, run_id: str, step: int, snapshot: dict[str, Tensor]
+    ) -> tuple[str, str, int]:
+        """Full weights to the object store or a broadcast directory, from the tensors' memory."""
+        # Encoding hashes every byte once: off the event loop.
+        stream = await asyncio.to_thread(EncodedStream.from_state_dict, snapshot)
+        if self.transport == "object_store":
+            key = weights_object_key(run_id, step)
+            await write_blob(self.bus, key, stream.segments(), stream.digest)
+            return key, stream.digest, stream.size
+        path = self._broadcast_dir(run_id) / f"step_{step}"
+        # The stream was hashed from the very views the file is written from.
+        await asyncio.to_thread(write_full_weights_dir, path, stream.segments())
+        return str(path), stream.digest, stream.size
 
     async def _put_object(
         self, run_id: str, step: int, snapshot: dict[str, Tensor]
@@ -233,14 +270,16 @@ class WeightPublisher:
             if entry.is_dir() and (m := _STEP_DIR.match(entry.name))
         }
 
-    async def _collect_garbage(self, run_id: str, current: int, stored: set[int]) -> None:
-        """Remove all but the newest ``keep_last`` versions up to ``current``.
+    async def _collect_garbage(
+        self, run_id: str, current: int, stored: set[int], keep: int
+    ) -> None:
+        """Remove all but the newest ``keep`` versions up to ``current``.
 
         Steps above ``current`` (left by a trainer that got further before it restarted from an
         older checkpoint) are kept: publishing those steps again replaces them.
         """
         older = sorted(s for s in stored if s < current)
-        doomed = older[: max(0, len(older) - (self.keep_last - 1))]
+        doomed = older[: max(0, len(older) - (keep - 1))]
         if self.sender is not None and doomed:
             await self.sender.forget(run_id, doomed)
             stored.difference_update(doomed)

@@ -1,13 +1,14 @@
 """A state dict as a safetensors byte stream, sent and received without a copy of the whole file.
 
-The object store and the filesystem hold one ``bytes`` object per adapter; a direct transport
-(UCX, a collective) need not. :class:`EncodedStream` describes a state dict as the bytes of a
+An adapter is small enough to travel as one ``bytes`` object; a whole model is not, and no
+transport assembles one. :class:`EncodedStream` describes a state dict as the bytes of a
 safetensors file without assembling them: the header, then each tensor's own memory viewed as
 bytes. :class:`StreamDecoder` is the other end: it parses the header, allocates the tensors (or,
 given ``destination``, checks and reuses tensors that exist already, such as a model's own
-parameters) and hands the transport writable views of their memory to receive into. The digest,
-``sha256:<hex>`` of the whole file as in ``WeightsReady.digest``, is computed once on each side
-over the same views.
+parameters) and hands the transport writable views of their memory to receive into, or takes
+the stream piece by piece as it comes (:meth:`StreamDecoder.feed`, the object store's chunks).
+The digest, ``sha256:<hex>`` of the whole file as in ``WeightsReady.digest``, is computed once on
+each side over the same views.
 
 The layout is standard safetensors, so :meth:`EncodedStream.to_bytes` is a file that
 ``safetensors.torch.load`` reads: an 8-byte little-endian header length, a JSON header mapping
@@ -156,10 +157,12 @@ class StreamDecoder:
 
     ``where`` starts every error message (``"weights for run_a step 3"``). ``size`` and
     ``digest`` are what the announcement says the whole stream is. With ``destination``, the
-    stream is received straight into those tensors (full-weight mode: no second copy); each
-    named tensor must be there with the same dtype and shape, contiguous and on the CPU. A
-    transfer that fails half way leaves them partly overwritten, so use a destination only
-    where that is acceptable (a staging copy, or weights that are about to be replaced anyway).
+    stream is received straight into those tensors (full-weight mode: no second copy): the
+    stream must hold exactly the destination's tensors, each with the same dtype and shape,
+    contiguous and on the CPU, which :meth:`feed_header` checks before a byte is written. A
+    transfer that fails after that leaves them partly overwritten; every WeightsError raised
+    from then on has ``touched`` set (see :attr:`touched`), so the caller knows the destination
+    holds no usable version any more.
     """
 
     def __init__(
@@ -176,6 +179,12 @@ class StreamDecoder:
         self._header: bytes | None = None
         self._tensors: dict[str, Tensor] = {}
         self._views: list[memoryview] = []
+        self._handed_out = False
+        # What :meth:`feed` has taken so far: the header's bytes until it is complete, then how
+        # many data bytes are in place and where the next one goes (a view and an offset in it).
+        self._pending = bytearray()
+        self._fed: int | None = None
+        self._cursor = (0, 0)
         # Hashing while the data arrives (see ``landed``): the bytes landed so far, in stream
         # order, and the thread that hashes up to there.
         self._landed = 0
@@ -183,6 +192,12 @@ class StreamDecoder:
         self._progress = threading.Condition()
         self._hasher: threading.Thread | None = None
         self._hashed: str | None = None
+
+    @property
+    def touched(self) -> bool:
+        """Whether the destination may hold some of this stream's bytes: true once its views
+        were handed out for writing (:meth:`targets`, :meth:`feed`), never without one."""
+        return self.destination is not None and self._handed_out
 
     @staticmethod
     def header_length(
@@ -223,6 +238,8 @@ class StreamDecoder:
                 f"bytes ({len(header)} of header, {data_bytes} of tensors), {self.size} were "
                 "announced"
             )
+        if self.destination is not None:
+            check_fits(where, [(e.name, e.dtype, e.shape) for e in entries], self.destination)
         tensors = {e.name: self._target(e) for e in entries}
         self._tensors = tensors
         self._views = [byte_view(t) for t in tensors.values()]
@@ -232,7 +249,63 @@ class StreamDecoder:
         """Writable flat byte views of the tensors, in stream order, for the transport to fill."""
         if self._header is None:
             raise WeightsError(f"{self.where}: targets() before feed_header()")
+        self._handed_out = True
         return list(self._views)
+
+    def feed(self, piece: bytes | bytearray | memoryview) -> None:
+        """Take the next ``piece`` of the whole stream (header included), cut anywhere.
+
+        For a transport that delivers the file as a sequence of pieces that straddle the header
+        and the tensors (the object store's chunks): the header is collected and checked, then
+        each byte is copied straight into its tensor, and the bytes in place are hashed as they
+        land (:meth:`landed`). Use either this or :meth:`feed_header` and :meth:`targets`; end
+        with :meth:`finish`, or :meth:`abandon` when the transfer fails."""
+        view = memoryview(piece).cast("B")
+        if self._fed is None:
+            if self._header is not None:
+                raise WeightsError(f"{self.where}: feed() after feed_header()")
+            view = self._take_header(view)
+            if self._fed is None:
+                return
+        if not len(view):
+            return
+        views = self._views
+        index, offset = self._cursor
+        while len(view):
+            while index < len(views) and offset == len(views[index]):
+                index, offset = index + 1, 0
+            if index == len(views):
+                raise WeightsError(
+                    f"{self.where}: more bytes than the {self.size} the header describes",
+                    touched=self.touched,
+                )
+            take = min(len(views[index]) - offset, len(view))
+            views[index][offset : offset + take] = view[:take]
+            view = view[take:]
+            offset += take
+            self._fed += take
+        self._cursor = (index, offset)
+        self.landed(self._fed)
+
+    def _take_header(self, view: memoryview) -> memoryview:
+        """Collect the header from the front of ``view``; what follows it, once it is whole."""
+        pending = self._pending
+        if len(pending) < 8:
+            take = min(8 - len(pending), len(view))
+            pending += view[:take]
+            view = view[take:]
+            if len(pending) < 8:
+                return view
+        need = 8 + self.header_length(bytes(pending[:8]), self.size, self.where)
+        take = min(need - len(pending), len(view))
+        pending += view[:take]
+        if len(pending) < need:
+            return view[len(view) :]
+        self.feed_header(bytes(pending))
+        self._pending = bytearray()
+        self._handed_out = True
+        self._fed = 0
+        return view[take:]
 
     def landed(self, nbytes: int) -> None:
         """Tell the decoder that the first ``nbytes`` of tensor data (stream order, header not
@@ -265,10 +338,12 @@ class StreamDecoder:
         if self._header is None:
             raise WeightsError(f"{self.where}: nothing was received (no header)")
         data_bytes = sum(len(v) for v in self._views)
-        received = len(self._header) + data_bytes
+        received = len(self._header) + (data_bytes if self._fed is None else self._fed)
         if received != self.size:
+            self.abandon()
             raise WeightsError(
-                f"{self.where}: size mismatch: announced {self.size} bytes, received {received}"
+                f"{self.where}: size mismatch: announced {self.size} bytes, received {received}",
+                touched=self.touched,
             )
         if self._hasher is not None:
             self.landed(data_bytes)
@@ -283,7 +358,8 @@ class StreamDecoder:
         if got != self.digest:
             raise WeightsError(
                 f"{self.where}: digest mismatch: announced {self.digest} but the {received} "
-                f"received bytes hash to {got}"
+                f"received bytes hash to {got}",
+                touched=self.touched,
             )
         return dict(self._tensors)
 
@@ -372,24 +448,58 @@ class StreamDecoder:
         return _Entry(name, dtype, shape, offsets[0], offsets[1])
 
     def _target(self, entry: _Entry) -> Tensor:
-        """A fresh tensor for ``entry``, or the destination's tensor after checking it fits."""
+        """A fresh tensor for ``entry``, or the destination's tensor (:func:`check_fits` has
+        checked that it has the entry's dtype and shape) after checking it can be written."""
         if self.destination is None:
             return torch.empty(entry.shape, dtype=entry.dtype)
         where, name = self.where, entry.name
-        tensor = self.destination.get(name)
-        if tensor is None:
-            raise WeightsError(f"{where}: the destination has no tensor {name!r}")
-        if tensor.dtype != entry.dtype or list(tensor.shape) != entry.shape:
-            raise WeightsError(
-                f"{where}: tensor {name!r} is {entry.dtype} {entry.shape} in the stream but "
-                f"{tensor.dtype} {list(tensor.shape)} in the destination"
-            )
+        tensor = self.destination[name]
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             raise WeightsError(
                 f"{where}: destination tensor {name!r} must be contiguous and on the CPU to "
                 f"receive in place (it is on {tensor.device}, contiguous={tensor.is_contiguous()})"
             )
         return tensor
+
+
+def check_fits(
+    where: str,
+    tensors: Iterable[tuple[str, torch.dtype, list[int]]],
+    destination: Mapping[str, Tensor],
+) -> None:
+    """Refuse a stream of ``(name, dtype, shape)`` tensors that ``destination`` cannot take as
+    it is: the same names, and each with the same dtype and shape (no conversion in place)."""
+    described = {name: (dtype, list(shape)) for name, dtype, shape in tensors}
+    missing = sorted(set(described) - set(destination))
+    if missing:
+        raise WeightsError(
+            f"{where}: the destination has no tensor {_names(missing)}; the stream must hold "
+            "exactly the destination's tensors (weights of another model?)"
+        )
+    unsent = sorted(set(destination) - set(described))
+    if unsent:
+        raise WeightsError(
+            f"{where}: the stream has no tensor {_names(unsent)} of the destination; the stream "
+            "must hold exactly the destination's tensors (weights of another model?)"
+        )
+    for name, (dtype, shape) in described.items():
+        tensor = destination[name]
+        if tensor.dtype != dtype:
+            raise WeightsError(
+                f"{where}: tensor {name!r} is {dtype} {shape} in the stream but {tensor.dtype} "
+                f"{list(tensor.shape)} in the destination: the trainer and inference must use "
+                "the same dtype"
+            )
+        if list(tensor.shape) != shape:
+            raise WeightsError(
+                f"{where}: tensor {name!r} is {dtype} {shape} in the stream but {tensor.dtype} "
+                f"{list(tensor.shape)} in the destination"
+            )
+
+
+def _names(names: list[str], shown: int = 5) -> str:
+    listed = ", ".join(repr(n) for n in names[:shown])
+    return listed if len(names) <= shown else f"{listed} (and {len(names) - shown} more)"
 
 
 def _is_count(value: Any) -> bool:

@@ -1,9 +1,11 @@
-"""The ``ucx`` weight transport: adapters straight from the trainer's memory to each replica.
+"""The ``ucx`` weight transport: weights straight from the trainer's memory to each replica.
 
 Location: a WeightsReady with ``transport = "ucx"`` has ``location`` =
 ``ucx://<host>:<port>/<run_id>/step_<n>``: the address of the trainer's UCX listener and the tag
-under which it holds that adapter's safetensors stream. The trainer keeps the last ``keep_last``
-versions of each run in memory (no disk, no object store); a replica connects and pulls. TCP on
+under which it holds that version's safetensors stream (an adapter, or a whole model's state
+dict). The trainer keeps the last ``keep_last`` versions of each run in memory (no disk, no
+object store; of a full-weight run the publisher keeps only the newest); a replica connects and
+pulls, into fresh tensors or in place into a ``destination``. TCP on
 one host, RDMA across hosts when ``UCX_TLS`` allows it: this module sets ``UCX_TLS=tcp`` and
 ``UCX_WARN_UNUSED_ENV_VARS=n`` only where they are unset, so set ``UCX_TLS`` (for instance
 ``rc,tcp``) to use other transports.
@@ -27,8 +29,8 @@ last piece is in (:meth:`StreamDecoder.finish`). Every wait is bounded: connecti
 as that timeout), each message by ``stall_timeout`` (a peer that stops sending for that long
 is given up on). A trainer that dies mid-transfer resets the connection, which fails the
 transfer at once; either way the replica aborts the endpoint (so nothing more is written into
-its buffers), drops it from its cache and raises :class:`WeightsError`; the next fetch
-reconnects.
+its buffers), drops it from its cache and raises :class:`WeightsError`, with ``touched`` set
+when pieces were already being received into a destination; the next fetch reconnects.
 
 asyncio: ucxx's asyncio API runs here in its ``thread`` progress mode with Python futures: a UCX
 progress thread drives the worker, and a notifier thread completes each request's asyncio future
@@ -420,7 +422,7 @@ class _Refused(WeightsError):
 
 
 class UcxWeightClient:
-    """Fetches ``ucx`` adapters for one replica; one cached endpoint per trainer address."""
+    """Fetches ``ucx`` weights for one replica; one cached endpoint per trainer address."""
 
     def __init__(
         self,
@@ -439,7 +441,10 @@ class UcxWeightClient:
     async def fetch(
         self, event: WeightsReady, destination: Mapping[str, Tensor] | None = None
     ) -> dict[str, Tensor]:
-        """The tensors ``event`` announces, received in place and checked; WeightsError if not."""
+        """The tensors ``event`` announces, received in place and checked; WeightsError if not.
+
+        With ``destination`` they are received into its tensors, which must be exactly the
+        stream's (checked from the header, before a byte is written)."""
         where = f"weights for {event.run_id} step {event.step}"
         host, port, tag = parse_location(where, event.location)
         errors = _ucx_errors()
@@ -467,7 +472,8 @@ class UcxWeightClient:
                 raise WeightsError(
                     f"{where}: transfer from ucx://{host}:{port} failed ({_describe(exc)}); the "
                     "trainer may have stopped or restarted, a later announcement will be fetched "
-                    "afresh"
+                    "afresh",
+                    touched=decoder.touched,
                 ) from exc
         return await asyncio.to_thread(decoder.finish)
 

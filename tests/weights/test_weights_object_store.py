@@ -162,3 +162,26 @@ async def test_a_reader_learns_quickly_that_its_object_was_deleted(
     with pytest.raises(BlobNotFoundError, match="garbage-collected"):
         await asyncio.wait_for(reading, 5.0)
     assert asyncio.get_running_loop().time() - started < 2.0
+
+
+async def test_pieces_are_stored_as_one_object_and_streamed_back_chunk_by_chunk(bus: Bus, uid: str):
+    key = f"t_{uid}/pieces"
+    pieces = [os.urandom(n) for n in (3, CHUNK_SIZE - 1, 0, 2 * CHUNK_SIZE + 5, 7)]
+    data = b"".join(pieces)
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    await object_store.write_blob(bus, key, [memoryview(p) for p in pieces], digest)
+    info = await _info(bus, key)
+    assert (info.size, info.chunks) == (len(data), 4)  # cut across the pieces' boundaries
+    assert await get_blob(bus, key) == data  # the stored digest is the one passed in
+    chunks: list[bytes] = []
+    await object_store.stream_blob(
+        bus, key, chunks.append, expected_size=len(data), expected_digest=digest
+    )
+    assert [len(c) for c in chunks] == [CHUNK_SIZE] * 3 + [14]
+    assert b"".join(chunks) == data
+    chunks.clear()
+    with pytest.raises(BlobError, match=f"'{key}' holds other bytes than expected"):
+        await object_store.stream_blob(
+            bus, key, chunks.append, expected_digest="sha256:" + "0" * 64
+        )
+    assert chunks == []

@@ -321,3 +321,60 @@ def test_an_abandoned_transfer_stops_its_hashing_thread():
     assert decoder._hasher is not None and decoder._hasher.is_alive()
     decoder.abandon()
     assert not decoder._hasher.is_alive()
+
+
+@pytest.mark.parametrize("piece", [1, 5, 8, 13, 100, 1 << 20])
+def test_a_stream_fed_in_pieces_cut_anywhere_lands_in_place(piece: int):
+    # Pieces straddle the prefix, the header, the tensors and the empty one.
+    state = _state()
+    destination = {k: torch.zeros_like(v).contiguous() for k, v in state.items()}
+    pointers = {k: v.data_ptr() for k, v in destination.items()}
+    stream = EncodedStream.from_state_dict(state)
+    data = stream.to_bytes()
+    decoder = StreamDecoder(WHERE, stream.size, stream.digest, destination)
+    for start in range(0, len(data), piece):
+        decoder.feed(data[start : start + piece])
+    got = decoder.finish()
+    for name, tensor in state.items():
+        assert got[name] is destination[name] and got[name].data_ptr() == pointers[name]
+        assert torch.equal(got[name], tensor), name
+
+
+def test_feeding_too_little_or_too_much_is_refused():
+    stream = EncodedStream.from_state_dict({"x": torch.ones(4)})
+    data = stream.to_bytes()
+    short = StreamDecoder(WHERE, stream.size, stream.digest)
+    short.feed(data[:-1])
+    with pytest.raises(
+        WeightsError,
+        match=f"^{WHERE}: size mismatch: announced {stream.size} bytes, received "
+        f"{stream.size - 1}$",
+    ):
+        short.finish()
+    long = StreamDecoder(WHERE, stream.size, stream.digest)
+    with pytest.raises(WeightsError, match=f"more bytes than the {stream.size} the header"):
+        long.feed(data + b"x")
+    long.abandon()
+    mixed = StreamDecoder(WHERE, stream.size, stream.digest)
+    mixed.feed_header(stream.header)
+    with pytest.raises(WeightsError, match=r"feed\(\) after feed_header\(\)"):
+        mixed.feed(data)
+
+
+def test_only_a_failure_after_the_destination_was_handed_out_is_touched():
+    stream = EncodedStream.from_state_dict({"x": torch.ones(4)})
+    data = bytearray(stream.to_bytes())
+    data[-1] ^= 1
+    # Refused from the header: nothing of the destination was handed out.
+    wrong = StreamDecoder(WHERE, stream.size, stream.digest, {"x": torch.zeros(5)})
+    with pytest.raises(WeightsError) as err:
+        wrong.feed(data)
+    assert err.value.touched is False and wrong.touched is False
+    # The bytes landed, then failed the digest: touched, and only with a destination.
+    for destination, touched in (({"x": torch.zeros(4)}, True), (None, False)):
+        decoder = StreamDecoder(WHERE, stream.size, stream.digest, destination)
+        decoder.feed(data)
+        assert decoder.touched is touched
+        with pytest.raises(WeightsError, match="digest mismatch") as err:
+            decoder.finish()
+        assert err.value.touched is touched

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import uuid
@@ -48,7 +49,7 @@ from services.weights.collective.protocol import (
     _StreamFrame,
 )
 from services.weights.errors import WeightsError
-from services.weights.stream import StreamDecoder
+from services.weights.stream import StreamDecoder, check_fits
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,10 @@ class _Received:
     digest: str
     size: int
     generation: int
+    in_place: bool = False
+    """Received into the run's destination (see :meth:`CollectiveReceiver.receive_into`)."""
+    touched: bool = False
+    """The error came after bytes had landed in the destination."""
 
 
 class CollectiveReceiver:
@@ -69,7 +74,9 @@ class CollectiveReceiver:
 
     ``replica_name`` names this replica in the member id. :meth:`receive_into` makes a run's
     transfers land in existing tensors (full weights, no second copy); ``keep_per_run`` steps of
-    each run are kept for :meth:`fetch`.
+    each run are kept for :meth:`fetch`. Transfers land when the trainer broadcasts them, not
+    when they are fetched: a run's destination is written from the receiving thread as each of
+    its broadcasts arrives.
     """
 
     name = "collective"
@@ -104,6 +111,9 @@ class CollectiveReceiver:
         self._formed: GroupFormed | None = None
         self._received: dict[str, dict[int, _Received]] = {}
         self._destinations: dict[str, Mapping[str, Tensor]] = {}
+        # Per run with a destination that was written: the step it holds intact, or None while
+        # it holds part of a transfer (cut off, or refused by its digest).
+        self._intact: dict[str, int | None] = {}
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -155,6 +165,8 @@ class CollectiveReceiver:
     def receive_into(self, run_id: str, destination: Mapping[str, Tensor]) -> None:
         """Receive ``run_id``'s next transfers straight into ``destination``'s tensors."""
         with self._lock:
+            if self._destinations.get(run_id) is not destination:
+                self._intact.pop(run_id, None)
             self._destinations[run_id] = destination
 
     async def fetch(
@@ -164,21 +176,25 @@ class CollectiveReceiver:
 
         With ``destination`` the tensors end up in it: received in place when it was registered
         (here or with :meth:`receive_into`) before the transfer, copied otherwise; later
-        transfers of the run are received in place."""
+        transfers of the run are received in place. A WeightsError has ``touched`` set when the
+        destination no longer holds what it held before this step's transfer: part of a
+        transfer (cut off, or with a wrong digest), or a newer step."""
         where = f"weights for {event.run_id} step {event.step}"
+        run_id, step = event.run_id, event.step
         _check_location(where, event)
         if destination is not None:
-            self.receive_into(event.run_id, destination)
+            self.receive_into(run_id, destination)
 
         def arrived() -> _Received | None:
             with self._lock:
-                steps = self._received.get(event.run_id, {})
-                got = steps.get(event.step)
+                steps = self._received.get(run_id, {})
+                got = steps.get(step)
                 newest = max(steps, default=None)
-            if got is None and newest is not None and newest > event.step:
+            if got is None and newest is not None and newest > step:
                 raise WeightsError(
                     f"{where}: step {newest} of the run arrived over the collective group "
-                    "instead; this step is gone (superseded)"
+                    "instead; this step is gone (superseded)",
+                    touched=self._overwritten(run_id, step),
                 )
             return got
 
@@ -191,19 +207,55 @@ class CollectiveReceiver:
             )
             raise WeightsError(
                 f"{where}: not received over the collective group within "
-                f"{self.fetch_timeout:g}s; replica {self.member_id} is {where_now}"
+                f"{self.fetch_timeout:g}s; replica {self.member_id} is {where_now}",
+                touched=self._overwritten(run_id, step),
             )
         if got.error is not None:
-            raise WeightsError(got.error)
+            raise WeightsError(got.error, touched=got.touched)
         if got.size != event.size_bytes or got.digest != event.digest:
             raise WeightsError(
                 f"{where}: the event announces {event.size_bytes} bytes with digest "
-                f"{event.digest}, the trainer sent {got.size} bytes with digest {got.digest}"
+                f"{event.digest}, the trainer sent {got.size} bytes with digest {got.digest}",
+                touched=got.in_place,
             )
         assert got.state is not None
+        if got.in_place and self._overwritten(run_id, step):
+            raise WeightsError(
+                f"{where}: a newer transfer of the run has landed in the destination since; "
+                "this step is gone (superseded)",
+                touched=True,
+            )
         if destination is None:
             return dict(got.state)
-        return _copy_into(where, got.state, destination)
+        if got.in_place:
+            return _copy_into(where, got.state, destination)
+        # Under the lock, so that a newer transfer does not start landing in the destination
+        # while this step is copied there.
+        with self._lock:
+            if self._overwritten_locked(run_id, step):
+                raise WeightsError(
+                    f"{where}: a newer transfer of the run is landing in the destination; this "
+                    "step is gone (superseded)",
+                    touched=True,
+                )
+            copied = _copy_into(where, got.state, destination)
+            # The destination holds this step now: keep it, not a second copy of the tensors.
+            held = self._received.get(run_id, {})
+            if held.get(step) is got:
+                held[step] = dataclasses.replace(got, state=copied, in_place=True)
+            self._intact[run_id] = step
+        return copied
+
+    def _overwritten(self, run_id: str, step: int) -> bool:
+        """Whether the run's destination holds part of a transfer, or a step after ``step``."""
+        with self._lock:
+            return self._overwritten_locked(run_id, step)
+
+    def _overwritten_locked(self, run_id: str, step: int) -> bool:
+        if run_id not in self._intact:
+            return False
+        held = self._intact[run_id]
+        return held is None or held > step
 
     async def close(self) -> None:
         """Leave the group and stop the thread (bounded by ``timeout``)."""
@@ -397,13 +449,19 @@ class CollectiveReceiver:
         decoder = StreamDecoder(where, frame.size, frame.digest, destination)
         views: list[memoryview] | None = None
         error: str | None = None
+        touched = False
         try:
             decoder.feed_header(header.numpy().tobytes())
             views = decoder.targets()
             if [len(v) for v in views] != frame.segments:
                 raise WeightsError(f"{where}: the header's tensor sizes differ from the frame's")
         except WeightsError as exc:
+            # Refused before a byte of the data moved: nothing lands in the destination.
             error, views = str(exc), None
+        in_place = views is not None and destination is not None
+        if in_place:
+            with self._lock:
+                self._intact[frame.run_id] = None
         # Received even when it cannot be used: every rank must take part in every bucket.
         try:
             _move_buckets(
@@ -422,10 +480,14 @@ class CollectiveReceiver:
             try:
                 state = decoder.finish()
             except WeightsError as exc:
-                error = str(exc)
+                error, touched = str(exc), exc.touched
         with self._lock:
+            if in_place and state is not None:
+                self._intact[frame.run_id] = frame.step
             steps = self._received.setdefault(frame.run_id, {})
-            steps[frame.step] = _Received(state, error, frame.digest, frame.size, generation)
+            steps[frame.step] = _Received(
+                state, error, frame.digest, frame.size, generation, in_place, touched
+            )
             for old in sorted(steps)[: -self.keep_per_run]:
                 del steps[old]
         self._notify()
@@ -438,15 +500,12 @@ class CollectiveReceiver:
 def _copy_into(
     where: str, state: Mapping[str, Tensor], destination: Mapping[str, Tensor]
 ) -> dict[str, Tensor]:
-    """``state`` in ``destination``'s tensors: as it is when received there, else copied."""
+    """``state`` in ``destination``'s tensors: as it is when received there, else copied, once
+    every tensor is known to fit (so a refusal leaves the destination as it was)."""
+    check_fits(where, [(n, t.dtype, list(t.shape)) for n, t in state.items()], destination)
     result: dict[str, Tensor] = {}
     for name, tensor in state.items():
-        target = destination.get(name)
-        if target is None or target.shape != tensor.shape or target.dtype != tensor.dtype:
-            raise WeightsError(
-                f"{where}: tensor {name!r} ({tensor.dtype} {list(tensor.shape)}) does not fit "
-                "the destination"
-            )
+        target = destination[name]
         if target.data_ptr() != tensor.data_ptr():
             with torch.no_grad():
                 target.copy_(tensor)
