@@ -8,8 +8,13 @@ Layout, for a run after ``n`` optimizer steps (its policy version ``n``, next ba
         optimizer.pt                       # AdamW state dict (torch.save, tensors only)
         scheduler.pt                       # LambdaLR state dict (its step counter)
         progress.json                      # {"step", "total_tokens", "total_samples", ...}
-        meta.json                          # run id, config digest, rank/alpha, time
+        meta.json                          # run id, config digest, kind, rank/alpha, time
         COMPLETE                           # written last: the checkpoint is whole
+
+A full-weight trainer's checkpoint holds ``model.safetensors`` (every parameter under its
+Hugging Face name) where an adapter checkpoint holds ``adapter/``, and says ``"kind": "full"``
+in ``meta.json`` (a checkpoint without ``kind`` is an adapter's, as every one before the field
+existed), so neither kind is ever loaded as the other.
 
 Everything is written into a hidden sibling directory, each file fsync'd, ``COMPLETE`` last,
 then the directory is renamed into place and its parent fsync'd. A reader therefore sees a
@@ -39,8 +44,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
-from services.model.peft_io import read_peft_dir, write_peft_dir
+from schemas.events import WeightKind
+from services.model.full import TensorFiles
+from services.model.peft_io import FULL_WEIGHTS_FILE, read_peft_dir, write_peft_dir
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +63,9 @@ class Checkpoint:
     """A run's trainer state after ``step`` optimizer steps."""
 
     step: int
-    adapter: dict[str, torch.Tensor]
+    adapter: Mapping[str, torch.Tensor]
+    """the adapter (PEFT key names), or with ``kind`` 'full' the whole model's parameters; a
+    loaded full checkpoint reads each tensor from disk when asked for it"""
     rank: int
     alpha: float
     target_modules: list[str]
@@ -64,6 +74,7 @@ class Checkpoint:
     progress: dict[str, Any]
     """step, total_tokens, total_samples (ints) and reward_mean (float or None)"""
     meta: dict[str, Any] = field(default_factory=dict)
+    kind: WeightKind = "lora"
 
 
 def run_dir(output_dir: Path, run_id: str) -> Path:
@@ -100,9 +111,14 @@ def save_checkpoint(output_dir: Path, run_id: str, ckpt: Checkpoint, keep: int) 
     final = parent / f"{_PREFIX}{ckpt.step}"
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=parent))
     try:
-        write_peft_dir(
-            staging / "adapter", ckpt.adapter, ckpt.rank, ckpt.alpha, ckpt.target_modules
-        )
+        if ckpt.kind == "full":
+            # From the parameters' own memory (a GPU's tensors are copied to the host), not
+            # from a serialised copy of the model.
+            save_file(dict(ckpt.adapter), staging / FULL_WEIGHTS_FILE, metadata={"format": "pt"})
+        else:
+            write_peft_dir(
+                staging / "adapter", ckpt.adapter, ckpt.rank, ckpt.alpha, ckpt.target_modules
+            )
         torch.save(ckpt.optimizer, staging / "optimizer.pt")
         torch.save(ckpt.scheduler, staging / "scheduler.pt")
         _write_json(staging / "progress.json", ckpt.progress)
@@ -110,6 +126,7 @@ def save_checkpoint(output_dir: Path, run_id: str, ckpt: Checkpoint, keep: int) 
             **ckpt.meta,
             "run_id": run_id,
             "step": ckpt.step,
+            "kind": ckpt.kind,
             "rank": ckpt.rank,
             "alpha": ckpt.alpha,
             "target_modules": list(ckpt.target_modules),
@@ -181,11 +198,21 @@ def load_checkpoint(path: Path) -> Checkpoint:
     """Read a complete checkpoint directory (raises on anything missing or unreadable)."""
     if not (path / MARKER).is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER})")
-    adapter, rank, alpha, target_modules = read_peft_dir(path / "adapter")
     meta = json.loads((path / "meta.json").read_text())
+    kind = meta.get("kind", "lora")
+    adapter: Mapping[str, torch.Tensor]
+    if kind == "full":
+        adapter = TensorFiles([path / FULL_WEIGHTS_FILE])
+        rank, alpha = int(meta["rank"]), float(meta["alpha"])
+        target_modules: list[str] = []
+    elif kind == "lora":
+        adapter, rank, alpha, target_modules = read_peft_dir(path / "adapter")
+    else:
+        raise ValueError(f"{path / 'meta.json'}: unknown checkpoint kind {kind!r}")
     progress = json.loads((path / "progress.json").read_text())
     return Checkpoint(
         step=int(meta["step"]),
+        kind=kind,
         adapter=adapter,
         rank=rank,
         alpha=alpha,

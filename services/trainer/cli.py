@@ -39,6 +39,14 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--output-dir", type=Path, help="where run directories live (run_*)")
     parser.add_argument("--max-runs", type=int, help="adapter slots, as the registry's pool")
     parser.add_argument(
+        "--full-weights",
+        action="store_const",
+        const=True,
+        default=None,
+        help="train the model's own parameters instead of LoRA adapters, for one run (needs "
+        "--max-runs 1; env PLEXRL_FULL_WEIGHTS)",
+    )
+    parser.add_argument(
         "--weight-transport",
         choices=["object_store", "filesystem", "ucx", "collective"],
         help="how adapters travel (env PLEXRL_WEIGHT_TRANSPORT, default object_store)",
@@ -79,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         "model": args.model,
         "output_dir": args.output_dir,
         "max_runs": args.max_runs,
+        "full_weights": args.full_weights,
         "weight_transport": args.weight_transport,
         "ucx_host": args.ucx_host,
         "ucx_port": args.ucx_port,

@@ -9,7 +9,7 @@ The order makes a crash at any point neither skip nor repeat a step:
    right before it is repaired from the checkpoint on restart (:func:`recover_step_log`).
 3. **WeightsReady** for policy version ``step + 1`` with message id ``<run_id>/weights/step_<n>``:
    a restart republishes the version its checkpoint holds, and the stream drops the copy if the
-   first publish had landed.
+   first publish had landed. A full-weight trainer announces the whole model (``kind="full"``).
 4. **progress** in KV ``plexrl-progress``: rewritten from the checkpoint on restart.
 5. **ack** of every batch the checkpoint now holds. Until then a trained batch stays unacked
    (kept alive by in-progress signals), so after a crash the server redelivers exactly the
@@ -39,12 +39,12 @@ from typing import Any
 from opentelemetry import trace
 
 from services.bus import Bus, Delivery
-from services.model.lora import MultiLoRA
 from services.registry.mirror import RunMirror
 from services.registry.progress import Progress, write_progress
 from services.telemetry.metrics import record_trainer_step
 from services.trainer.checkpoint import append_step_log, recover_step_log, save_checkpoint
 from services.trainer.intake import Held
+from services.trainer.slots import WeightSlots, weight_kind
 from services.trainer.state import RunState
 from services.trainer.step import RunResult
 from services.weights import WeightPublisher
@@ -81,7 +81,7 @@ class Committer:
     def __init__(
         self,
         bus: Bus,
-        lora: MultiLoRA,
+        lora: WeightSlots,
         mirror: RunMirror,
         publisher: WeightPublisher,
         output_dir: Path,
@@ -90,6 +90,8 @@ class Committer:
     ) -> None:
         self.bus = bus
         self.lora = lora
+        self.kind = weight_kind(lora)
+        """what is published: 'lora' adapters, or the 'full' model of a full-weight trainer"""
         self.mirror = mirror
         self.publisher = publisher
         self.output_dir = output_dir
@@ -125,6 +127,7 @@ class Committer:
                 "tokens": result.num_tokens,
                 "samples": result.num_samples,
                 "loss": result.loss,
+                "weights": self.kind,
             },
         )
         parent = trace.set_span_in_context(span)
@@ -132,7 +135,7 @@ class Committer:
             self._tracer.start_span(name, context=parent, start_time=start).end(end_time=end)
         with trace.use_span(span, end_on_exit=True):
             self._trained.setdefault(run_id, []).append(
-                _Trained(step, _record(state, result, held), [held.delivery])
+                _Trained(step, _record(state, result, held, self.kind), [held.delivery])
             )
             crash_point("train", run_id, step)
             committed = state.checkpoint_due()
@@ -145,6 +148,7 @@ class Committer:
                 self.lora.slot_state_dict(state.idx),
                 state.lora_spec,
                 base_model_path=self.base_model_path,
+                kind=self.kind,
             )
             crash_point("publish", run_id, step)
             await write_progress(self.bus, run_id, _progress(state))
@@ -251,6 +255,7 @@ class Committer:
                 self.lora.slot_state_dict(state.idx),
                 state.lora_spec,
                 base_model_path=self.base_model_path,
+                kind=self.kind,
             )
         log.info(
             "trainer: %s on slot %d %s at step %d",
@@ -271,11 +276,12 @@ def _progress(state: RunState) -> Progress:
     )
 
 
-def _record(state: RunState, result: RunResult, held: Held) -> dict[str, Any]:
+def _record(state: RunState, result: RunResult, held: Held, kind: str) -> dict[str, Any]:
     """One line of the step log: what was trained, from which message, with what outcome."""
     stats = result.stats
     return {
         "run_id": state.run_id,
+        "weights": kind,
         "step": result.step,
         "policy_version": result.step + 1,
         "stream_seq": held.delivery.stream_sequence,

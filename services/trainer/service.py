@@ -15,6 +15,10 @@ every rank, in lockstep:
    (:class:`Committer`) and asks for the eviction of runs whose step was refused.
 
 A trainer step trains each run at most one step, and only runs whose next batch is there.
+
+With ``full_weights`` the trainer serves one run and trains the model's own parameters instead
+of adapters (:class:`~services.model.full.FullWeights`): the same loop, one slot, and the whole
+model checkpointed and announced (``WeightsReady.kind = "full"``) after each step.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 from schemas.events import RolloutBatch
 from schemas.subjects import ROLLOUTS_STREAM, ROLLOUTS_WILDCARD
 from services.bus import Bus, Consumer
+from services.model.full import FullWeights
 from services.model.lora import MultiLoRA
 from services.registry.mirror import RunMirror
 from services.trainer.checkpoint import latest_checkpoint, remove_partials
@@ -37,6 +42,7 @@ from services.trainer.commit import Committer
 from services.trainer.distributed import SINGLE, Ranks
 from services.trainer.intake import Held, Intake, RunView
 from services.trainer.settings import TrainerSettings
+from services.trainer.slots import WeightSlots
 from services.trainer.state import RunSetupError, RunState, create_run_state
 from services.trainer.step import StepExecutor, StepReport
 from services.weights import WeightPublisher
@@ -57,7 +63,7 @@ class Trainer:
         settings: TrainerSettings,
         bus: Bus,
         model: Any,
-        lora: MultiLoRA,
+        lora: WeightSlots,
         *,
         pad_id: int,
         vocab_size: int,
@@ -321,8 +327,11 @@ def build_publisher(settings: TrainerSettings, bus: Bus) -> WeightPublisher:
     )
 
 
-def build_model(settings: TrainerSettings, device: torch.device) -> tuple[Any, MultiLoRA, int, int]:
-    """``(model, lora, pad_id, vocab_size)``: the base model with ``max_runs`` adapter slots.
+def build_model(
+    settings: TrainerSettings, device: torch.device
+) -> tuple[Any, WeightSlots, int, int]:
+    """``(model, slots, pad_id, vocab_size)``: the base model with ``max_runs`` adapter slots,
+    or, with ``full_weights``, with its own parameters as the one slot.
 
     ``vocab_size`` is the embedding's size, the bound the packer checks token ids against (a
     tokenizer may know fewer tokens, never more); the pad id comes from the tokenizer, else the
@@ -332,17 +341,21 @@ def build_model(settings: TrainerSettings, device: torch.device) -> tuple[Any, M
 
     dtype = torch.bfloat16 if settings.dtype == "bfloat16" else torch.float32
     model, tokenizer = load_model(settings.model, device=device, dtype=dtype)
-    lora = MultiLoRA.attach(
-        model,
-        n_adapters=settings.max_runs,
-        max_rank=settings.max_lora_rank,
-        target_modules=settings.target_modules,
-    )
+    slots: WeightSlots
+    if settings.full_weights:
+        slots = FullWeights.attach(model, settings.model)
+    else:
+        slots = MultiLoRA.attach(
+            model,
+            n_adapters=settings.max_runs,
+            max_rank=settings.max_lora_rank,
+            target_modules=settings.target_modules,
+        )
     vocab_size = int(model.get_input_embeddings().num_embeddings)
     pad_id = getattr(tokenizer, "pad_token_id", None)
     if pad_id is None:
         pad_id = getattr(model.config, "pad_token_id", None)
-    return model, lora, int(pad_id or 0), vocab_size
+    return model, slots, int(pad_id or 0), vocab_size
 
 
 async def serve(
@@ -357,15 +370,24 @@ async def serve(
         trainer = Trainer(
             settings, bus, model, lora, pad_id=pad_id, vocab_size=vocab_size, ranks=ranks
         )
-        log.info(
-            "trainer: rank %d/%d serving %d slots (max rank %d) of %s on %s",
-            ranks.rank,
-            ranks.world_size,
-            settings.max_runs,
-            settings.max_lora_rank,
-            settings.model,
-            device,
-        )
+        if settings.full_weights:
+            log.info(
+                "trainer: rank %d/%d training the full weights of %s for one run on %s",
+                ranks.rank,
+                ranks.world_size,
+                settings.model,
+                device,
+            )
+        else:
+            log.info(
+                "trainer: rank %d/%d serving %d slots (max rank %d) of %s on %s",
+                ranks.rank,
+                ranks.world_size,
+                settings.max_runs,
+                settings.max_lora_rank,
+                settings.model,
+                device,
+            )
         await trainer.run(stop)
     finally:
         await bus.close()

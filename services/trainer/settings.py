@@ -3,7 +3,7 @@
 Precedence, lowest first: defaults, ``--config FILE`` (TOML), ``PLEXRL_<FIELD>`` environment
 variables (``PLEXRL_MODEL``, ``PLEXRL_OUTPUT_DIR``, ``PLEXRL_MAX_RUNS``,
 ``PLEXRL_WEIGHT_TRANSPORT``, ``PLEXRL_UCX_HOST``, ``PLEXRL_UCX_PORT``, ``PLEXRL_COLLECTIVE_PORT``,
-``PLEXRL_TARGET_MODULES`` as a comma-separated list...), then
+``PLEXRL_TARGET_MODULES`` as a comma-separated list, ``PLEXRL_FULL_WEIGHTS=1``...), then
 command-line flags. This module imports no torch, so ``plexrl trainer --help`` stays instant.
 """
 
@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from schemas.config import DEFAULT_MAX_LORA_RANK
 
@@ -65,6 +65,13 @@ class TrainerSettings(BaseModel):
     )
     max_runs: int = Field(
         4, ge=1, le=4096, description="adapter slots; the same number as the registry's pool"
+    )
+    full_weights: bool = Field(
+        False,
+        description="train the model's own parameters instead of LoRA adapters, for one run "
+        "(needs max_runs = 1); each step publishes the whole model (WeightsReady kind 'full'), "
+        "max_lora_rank and target_modules are not used, and a run with loss.kl_coef > 0 is "
+        "refused (there is no base model to compare with)",
     )
     max_lora_rank: int = Field(
         DEFAULT_MAX_LORA_RANK,
@@ -165,6 +172,16 @@ class TrainerSettings(BaseModel):
         if not _NAME_RE.fullmatch(v):
             raise ValueError(f"{v!r}: use 1-48 letters, digits, '_' or '-'")
         return v
+
+    @model_validator(mode="after")
+    def _one_run_for_full_weights(self) -> TrainerSettings:
+        if self.full_weights and self.max_runs != 1:
+            raise ValueError(
+                f"full_weights trains the model's own parameters for one run, so it needs "
+                f"max_runs = 1 (got {self.max_runs}); set --max-runs 1, and the registry's "
+                "max_runs to 1 as well"
+            )
+        return self
 
     @property
     def num_threads(self) -> int:

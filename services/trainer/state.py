@@ -10,6 +10,11 @@ number of optimizer steps taken, which is also the step of the next RolloutBatch
 
 Each run's optimizer owns exactly its slot's parameters, and a slot takes part in a forward only
 when a row of that run is in the batch, so stepping one run never moves another.
+
+A full-weight trainer (:class:`~services.model.full.FullWeights`) has one slot, the model's own
+parameters: its run starts from the base model's weights, its optimizer owns every parameter,
+and its checkpoints hold the whole model. It keeps no base model beside the trained one, so it
+refuses a run with a KL penalty (``loss.kl_coef > 0``), whose reference is the base model.
 """
 
 from __future__ import annotations
@@ -23,12 +28,13 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from schemas.config import OrchConfig
-from schemas.events import LoraSpec
+from schemas.events import LoraSpec, WeightKind
 from services.model.lora import MultiLoRA
 from services.registry.progress import Progress
 from services.trainer.checkpoint import Checkpoint
 from services.trainer.loss import LossParams
 from services.trainer.schedule import build_lr_scheduler
+from services.trainer.slots import WeightSlots, weight_kind
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +103,11 @@ class RunState:
         self.progress.total_samples += num_samples
         self.progress.reward_mean = reward_mean
 
-    def to_checkpoint(self, lora: MultiLoRA) -> Checkpoint:
+    def to_checkpoint(self, lora: WeightSlots) -> Checkpoint:
         cfg = self.config.model.lora
         return Checkpoint(
             step=self.progress.step,
+            kind=weight_kind(lora),
             adapter=lora.slot_state_dict(self.idx),
             rank=cfg.rank,
             alpha=cfg.alpha,
@@ -123,7 +130,7 @@ def slot_seed(run_id: str, config_seed: int) -> int:
 
 
 def create_run_state(
-    lora: MultiLoRA,
+    lora: WeightSlots,
     idx: int,
     run_id: str,
     config: OrchConfig,
@@ -133,13 +140,26 @@ def create_run_state(
     """Reset slot ``idx`` for ``run_id`` and build its optimizer and schedule, resuming from
     ``checkpoint`` when given. Raises :class:`RunSetupError` when the run cannot be served."""
     cfg = config.model.lora
-    if cfg.rank > lora.max_rank:
+    kind = weight_kind(lora)
+    if kind == "full" and config.loss.kl_coef > 0:
+        raise RunSetupError(
+            f"loss.kl_coef = {config.loss.kl_coef} asks for a KL penalty against the base model, "
+            "and this trainer trains the model's full weights (--full-weights), keeping no base "
+            "model to compare with; resubmit the run with loss.kl_coef = 0, or train it on a "
+            "LoRA trainer"
+        )
+    if isinstance(lora, MultiLoRA) and cfg.rank > lora.max_rank:
         raise RunSetupError(
             f"LoRA rank {cfg.rank} exceeds this trainer's max_lora_rank {lora.max_rank}; "
             "resubmit the run with model.lora.rank <= that, or restart the trainer with a "
             "larger --max-lora-rank"
         )
-    lora.reset_slot(idx, cfg.rank, cfg.alpha, seed=slot_seed(run_id, config.seed))
+    if checkpoint is not None and checkpoint.kind != kind:
+        raise RunSetupError(_kind_mismatch(checkpoint, kind))
+    if checkpoint is None or kind == "lora":
+        # A full checkpoint overwrites every parameter, so putting the base weights back first
+        # would read a whole model from disk for nothing.
+        lora.reset_slot(idx, cfg.rank, cfg.alpha, seed=slot_seed(run_id, config.seed))
     params = lora.slot_parameters(idx)
     optim = config.optim
     optimizer = torch.optim.AdamW(
@@ -165,9 +185,21 @@ def create_run_state(
     return state
 
 
-def _restore(lora: MultiLoRA, state: RunState, ckpt: Checkpoint) -> None:
+def _kind_mismatch(ckpt: Checkpoint, kind: WeightKind) -> str:
+    held = {"full": "the model's full weights", "lora": "a LoRA adapter"}
+    trainer = {
+        "full": "trains full weights (--full-weights)",
+        "lora": "trains LoRA adapters (no --full-weights)",
+    }
+    return (
+        f"checkpoint step_{ckpt.step} holds {held[ckpt.kind]} but this trainer {trainer[kind]}; "
+        f"resume the run on a trainer that {trainer[ckpt.kind]}, or submit it under a new id"
+    )
+
+
+def _restore(lora: WeightSlots, state: RunState, ckpt: Checkpoint) -> None:
     cfg = state.config.model.lora
-    if ckpt.rank != cfg.rank:
+    if ckpt.kind == "lora" and ckpt.rank != cfg.rank:
         raise RunSetupError(
             f"checkpoint step_{ckpt.step} holds a rank-{ckpt.rank} adapter but the run's config "
             f"asks for rank {cfg.rank}; a run's LoRA shape cannot change: submit it under a new id"

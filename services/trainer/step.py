@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from schemas.events import RolloutBatch
-from services.model.lora import NO_ADAPTER, MultiLoRA
+from services.model.routing import NO_ADAPTER
 from services.trainer.distributed import SINGLE, Ranks
 from services.trainer.loss import (
     LossParams,
@@ -45,6 +45,7 @@ from services.trainer.loss import (
     token_loss,
 )
 from services.trainer.packer import MicroBatch, pack_step
+from services.trainer.slots import WeightSlots
 from services.trainer.state import RunState
 
 # Per-run sums carried through the all-reduce, in this order.
@@ -87,12 +88,13 @@ class StepReport:
 
 
 class StepExecutor:
-    """Runs trainer steps on one model whose target linears carry a :class:`MultiLoRA`."""
+    """Runs trainer steps on one model whose target linears carry a :class:`MultiLoRA`, or
+    whose own parameters are trained (:class:`FullWeights`, one run)."""
 
     def __init__(
         self,
         model: Any,
-        lora: MultiLoRA,
+        lora: WeightSlots,
         *,
         token_budget: int,
         pad_id: int,

@@ -87,13 +87,6 @@ class Cluster:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> Cluster:
-        rbus = await Bus.connect(self.url, "registry")
-        self._buses.append(rbus)
-        self.registry = Registry(
-            rbus,
-            RegistrySettings(output_dir=self.out, max_runs=3, scan_interval=3600.0),
-        )
-        await self.registry.start()
         settings = TrainerSettings(
             **(
                 {
@@ -108,6 +101,14 @@ class Cluster:
                 | self.trainer_settings
             )
         )
+        rbus = await Bus.connect(self.url, "registry")
+        self._buses.append(rbus)
+        # The registry's pool is the trainer's slots, as a deployment sets them.
+        self.registry = Registry(
+            rbus,
+            RegistrySettings(output_dir=self.out, max_runs=settings.max_runs, scan_interval=3600.0),
+        )
+        await self.registry.start()
         tbus = await Bus.connect(self.url, "trainer")
         self._buses.append(tbus)
         model, lora, pad_id, vocab_size = build_model(settings, torch.device("cpu"))
