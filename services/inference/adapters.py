@@ -126,10 +126,12 @@ class AdapterBank:
         rank: int,
         alpha: float,
     ) -> bool:
-        """Stage ``run_id``'s adapter at ``version``; False (nothing staged) if not newer."""
+        """Stage ``run_id``'s adapter at ``version``; False (nothing staged) if not newer, or if
+        the slot is no longer ``run_id``'s (it was forgotten or given to another run while the
+        adapter was being prepared)."""
         with self._lock:
             current = self._promised.get(slot)
-            if current is not None and current.run_id == run_id and current.version >= version:
+            if current is None or current.run_id != run_id or current.version >= version:
                 return False
             self._staged[slot] = _Target(SlotState(run_id, version), rank, alpha, tensors)
             self._promised[slot] = SlotState(run_id, version)

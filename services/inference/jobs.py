@@ -4,11 +4,16 @@ The service validates a GenerateRequest, resolves its run to an adapter slot and
 engine can serve a policy version the request accepts; then it hands the engine a :class:`Job`.
 An engine (``torch``: torch_engine.py, ``vllm``: vllm_engine.py) implements :class:`Engine`:
 it keeps one adapter per run, loads new versions as they are announced, and generates.
+
+A trainer started with ``--full-weights`` trains the model itself for its one run and announces
+whole state dicts (``WeightsReady.kind == "full"``). An engine that supports them installs one
+into its base model's parameters in place; from then on the base model *is* that run's policy,
+which :class:`FullWeights` records, and the engine serves no other run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -55,6 +60,27 @@ class JobResult:
         return sum(len(c.token_ids) for group in self.completions for c in group)
 
 
+LoadInto = Callable[[Mapping[str, torch.Tensor]], Awaitable[Mapping[str, torch.Tensor]]]
+"""Receives announced full weights into the given tensors, in place (the weights follower binds
+:func:`~services.weights.loader.load_weights` to its event); raises
+:class:`~services.weights.errors.WeightsError`, whose ``touched`` says whether any of the tensors
+may have been written before the failure."""
+
+
+@dataclass(frozen=True)
+class FullWeights:
+    """Whose full weights an engine's base model carries.
+
+    ``version`` is the policy version the parameters hold; None when a load failed part-way
+    through writing them, so they are neither that version nor the one before (``reason`` says
+    what happened). The run is then not served until a good version lands.
+    """
+
+    run_id: str
+    version: int | None
+    reason: str = ""
+
+
 class SlotChanged(Exception):
     """By the time the job's batch started, its slot no longer held its run at a version the
     job accepts (the run was removed, or re-created at version 0). The service waits again."""
@@ -66,6 +92,8 @@ class Engine(Protocol):
     vocab_size: int
     max_model_len: int
     max_lora_rank: int
+    full_weights: FullWeights | None
+    """None while the base model is the one loaded from disk."""
 
     def set_listener(self, listener: Callable[[], None]) -> None:
         """``listener()`` is called on the event loop whenever an available version changes."""
@@ -91,6 +119,11 @@ class Engine(Protocol):
         """Install version ``event.step``; False when it is not newer than what the slot holds.
 
         Raises ValueError when the tensors do not fit the model (the old version stays)."""
+
+    async def install_full(self, event: WeightsReady, load: LoadInto) -> bool:
+        """Write ``event``'s full weights into the base model through ``load``, in place, with
+        generation held off; False when the engine already holds that run at this version or a
+        newer one. ``load``'s WeightsError passes through; ValueError when the engine cannot."""
 
     async def generate(self, job: Job) -> JobResult:
         """Generate a job; raises :class:`SlotChanged` if the slot moved on meanwhile."""

@@ -8,6 +8,11 @@
 - A :class:`WeightsFollower` loads each announced adapter and hands it to the engine. An adapter
   announced for a run this replica does not know yet is held back (the newest per run) and loaded
   when the run is created.
+- Full weights (``kind == "full"``, a trainer started with ``--full-weights``) are installed
+  into the engine's base model in place; from then on this replica serves that run only (its
+  requests generate with no adapter) and answers requests of any other run with an error
+  saying so. While a failed load has left the parameters partly written, the run's requests
+  wait as for a version not yet loaded, and a timeout says why.
 - With ``weight_transport="collective"`` the replica joins the trainer's broadcast group at
   start-up (a :class:`~services.weights.collective.CollectiveReceiver`, leaving it on stop) and
   receives the adapters that WeightsReady events of transport ``collective`` name through it.
@@ -33,7 +38,7 @@ from schemas import subjects as sj
 from schemas.codec import DecodeError, decode
 from schemas.events import GenerateRequest, GenerateResponse, WeightsReady
 from services.bus import Bus, tracing
-from services.inference.jobs import Engine, Job, JobResult, SlotChanged
+from services.inference.jobs import Engine, Job, JobResult, LoadInto, SlotChanged
 from services.inference.requests import (
     RequestFailed,
     check_request,
@@ -77,12 +82,15 @@ class InferenceService:
         self.receiver: CollectiveReceiver | None = None
         fetchers: dict[str, WeightFetcher] = {}
         if weight_transport == "collective":
-            self.receiver = CollectiveReceiver(bus, replica_name)
+            # Full weights land in the parameters as the broadcast arrives: never mid-batch.
+            guard = getattr(engine, "write_guard", None)
+            self.receiver = CollectiveReceiver(bus, replica_name, write_guard=guard)
             fetchers["collective"] = self.receiver
         self.follower = WeightsFollower(
             bus,
             wanted=self._wants,
             install=self._install,
+            install_full=self._install_full,
             output_dir=output_dir,
             attempts=weight_load_attempts,
             fetchers=fetchers,
@@ -234,15 +242,26 @@ class InferenceService:
         if slot is None:  # removed while its adapter was loading
             return
         if await self.engine.load_adapter(slot, event, tensors):
-            if len(self.installed_at) >= 4096:  # a bounded record: forget the oldest half
-                for key in list(self.installed_at)[:2048]:
-                    del self.installed_at[key]
-            self.installed_at[(event.run_id, event.step)] = now = time.monotonic()
-            published = self.follower.published_at.get((event.run_id, event.step))
-            if published is not None:
-                record_weight_sync(event.run_id, now - published)
+            self._installed(event)
         else:
             self.ignored_versions += 1
+
+    async def _install_full(self, event: WeightsReady, load: LoadInto) -> None:
+        if self.mirror.idx_of(event.run_id) is None:  # removed while the event waited
+            return
+        if await self.engine.install_full(event, load):
+            self._installed(event)
+        else:
+            self.ignored_versions += 1
+
+    def _installed(self, event: WeightsReady) -> None:
+        if len(self.installed_at) >= 4096:  # a bounded record: forget the oldest half
+            for key in list(self.installed_at)[:2048]:
+                del self.installed_at[key]
+        self.installed_at[(event.run_id, event.step)] = now = time.monotonic()
+        published = self.follower.published_at.get((event.run_id, event.step))
+        if published is not None:
+            record_weight_sync(event.run_id, now - published)
 
     # --- requests ----------------------------------------------------------------------------
 
@@ -316,6 +335,14 @@ class InferenceService:
                 )
             if req.run_id in self._unservable:
                 raise RequestFailed(self._unservable[req.run_id])
+            full = self.engine.full_weights
+            if full is not None and full.run_id != req.run_id:
+                raise RequestFailed(
+                    f"{req.run_id} cannot be served by inference replica {self.replica_name}: "
+                    f"its base model carries the full weights of {full.run_id} (trained with "
+                    "--full-weights), so it serves that run only; send requests of other runs "
+                    "to replicas that do not follow a full-weights trainer"
+                )
             version = self.engine.available_version(slot, req.run_id)
             if version is not None and version >= req.min_policy_version:
                 job = Job(
@@ -337,8 +364,9 @@ class InferenceService:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 have = "no version" if version is None else f"policy version {version}"
+                why = f" ({full.reason})" if full is not None and full.reason else ""
                 raise RequestFailed(
-                    f"{req.run_id}: this replica has {have} but the request asks for "
+                    f"{req.run_id}: this replica has {have}{why} but the request asks for "
                     f"min_policy_version {req.min_policy_version}; gave up after waiting "
                     f"{req.timeout_s:g}s (timeout_s) for it to be published and loaded"
                 )

@@ -11,15 +11,24 @@ All model work runs on one worker thread, so the event loop keeps receiving requ
 weights while a batch generates. New adapters are staged on the loop and written into their
 slot by that thread at a generation-step boundary (adapters.py): immediately when idle, or
 between two decode steps of a running batch when no unfinished sequence uses the slot.
+
+Full weights (``WeightsReady.kind == "full"``) go into the base model's own parameters, in place
+(no second copy of the model), between two batches: the install takes the lock each batch holds
+while it runs, so it waits for the running batch and holds the next one off until the last
+byte has landed, and no forward pass ever reads a half-written parameter. From then on the run
+generates with no adapter (slot -1), the base model being its policy, and jobs of any other run
+are refused. A load that fails after writing part of the parameters leaves the run unserved
+(:attr:`TorchEngine.full_weights` with version None) until a good version lands.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,8 +43,10 @@ from services.inference.generation import (
     eos_token_ids,
     generate_batch,
 )
-from services.inference.jobs import Job, JobResult, SlotChanged
+from services.inference.jobs import FullWeights, Job, JobResult, LoadInto, SlotChanged
 from services.inference.sampling import sequence_seed
+from services.model.routing import NO_ADAPTER
+from services.weights.errors import WeightsError
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +84,19 @@ class TorchEngine:
         self.applied: deque[Applied] = deque(maxlen=4096)
         """Every adapter written into a slot, newest last (for metrics and benchmarks)."""
         self.num_batches = 0
+        self.full_weights: FullWeights | None = None
+        """Whose full weights the base model carries; None while it is the one from disk."""
         self._listener: Callable[[], None] = lambda: None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plexrl-generate")
         self._queue: asyncio.Queue[_Queued] = asyncio.Queue()
         self._batcher: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Held by each batch while it generates and by a full-weights install while it writes.
+        self._model_lock = asyncio.Lock()
+        self.write_guard = threading.Lock()
+        """Held by the worker thread while it generates, and by a collective receiver's thread
+        while full weights land in the parameters as the broadcast arrives."""
+        self._base_params: dict[str, torch.Tensor] = {}
         self.model: Any = None
         self.lora: Any = None
         self.bank: AdapterBank | None = None
@@ -99,6 +118,10 @@ class TorchEngine:
 
         model, tokenizer = load_model(self.model_dir, device=self.device, dtype=self.dtype)
         self.model = model
+        # Named before the LoRA layers wrap the linears, so the keys are the Hugging Face names a
+        # full-weights trainer publishes (tied weights once); the wrapped linears keep these very
+        # tensors.
+        self._base_params = {name: p.data for name, p in model.named_parameters()}
         self.lora = MultiLoRA.attach(model, self.max_runs, self.max_lora_rank, self.target_modules)
         self.bank = AdapterBank(self.lora, on_applied=self._on_applied)
         config = model.config
@@ -136,14 +159,34 @@ class TorchEngine:
     def remove_run(self, slot: int, run_id: str) -> None:
         # Deletion hooks run before creation hooks, so whatever the slot holds is this run's.
         self._bank().forget(slot)
+        full = self.full_weights
+        if full is not None and full.run_id == run_id and full.version is not None:
+            # The parameters stay what they are: a run of the same id created again must not be
+            # served them as its version 0.
+            self.full_weights = FullWeights(
+                run_id,
+                None,
+                f"{run_id} was removed while this replica's base model carried its full weights "
+                f"(policy version {full.version}); it is served again once its full weights load",
+            )
         self._listener()
 
     def available_version(self, slot: int, run_id: str) -> int | None:
+        full = self.full_weights
+        if full is not None:
+            return full.version if full.run_id == run_id else None
         return self._bank().available_version(slot, run_id)
 
     async def load_adapter(
         self, slot: int, event: WeightsReady, tensors: dict[str, torch.Tensor]
     ) -> bool:
+        full = self.full_weights
+        if full is not None and full.run_id == event.run_id:
+            raise ValueError(
+                f"{event.run_id} is served from full model weights on this replica, so its "
+                f"adapter of step {event.step} has nothing to apply to (a trainer publishes either "
+                "adapters or full weights of a run, never both)"
+            )
         bank = self._bank()
         bank.check_adapter(tensors, event.lora.rank)
         prepared = await asyncio.to_thread(bank.prepare, tensors)
@@ -153,6 +196,48 @@ class TorchEngine:
         if staged:
             self._staged()
         return staged
+
+    async def install_full(self, event: WeightsReady, load: LoadInto) -> bool:
+        # The lock waits for the running batch and keeps the next one from starting.
+        async with self._model_lock:
+            held = self.full_weights
+            if (
+                held is not None
+                and held.run_id == event.run_id
+                and held.version is not None
+                and held.version >= event.step
+            ):
+                return False
+            started = time.monotonic()
+            try:
+                await load(self._base_params)
+            except BaseException as exc:
+                # Only a WeightsError says whether nothing was written; anything else may have
+                # stopped the load half way.
+                if not isinstance(exc, WeightsError) or exc.touched:
+                    self.full_weights = FullWeights(
+                        event.run_id,
+                        None,
+                        f"the full weights of {event.run_id} at step {event.step} failed to "
+                        f"load after part of them was written into the base model ({exc}); the "
+                        "run is served again once a good version loads",
+                    )
+                    self._listener()
+                raise
+            self.full_weights = FullWeights(event.run_id, event.step)
+        log.info(
+            "full weights of %s at step %d installed in place in %.3fs",
+            event.run_id,
+            event.step,
+            time.monotonic() - started,
+        )
+        self._listener()
+        return True
+
+    @property
+    def base_parameters(self) -> Mapping[str, torch.Tensor]:
+        """The base model's parameters under their Hugging Face names (what full weights fill)."""
+        return self._base_params
 
     def _staged(self) -> None:
         """Wake waiters, and have the worker apply the target now if it is idle."""
@@ -203,7 +288,8 @@ class TorchEngine:
                 continue
             jobs = [q.job for q in live]
             try:
-                outcomes = await self._loop.run_in_executor(self._executor, self._run, jobs)
+                async with self._model_lock:
+                    outcomes = await self._loop.run_in_executor(self._executor, self._run, jobs)
             except Exception as exc:
                 log.exception("generation of a batch of %d jobs failed", len(jobs))
                 outcomes = [exc] * len(jobs)
@@ -217,25 +303,38 @@ class TorchEngine:
 
     def _run(self, jobs: list[Job]) -> list[JobResult | Exception]:
         """Worker thread: apply staged adapters, then generate every job that still fits."""
+        with self.write_guard:
+            return self._run_guarded(jobs)
+
+    def _run_guarded(self, jobs: list[Job]) -> list[JobResult | Exception]:
         bank = self._bank()
         bank.apply_staged()
+        full = self.full_weights
         outcomes: list[JobResult | Exception] = []
         specs: list[SequenceSpec] = []
         versions: list[int] = []
         for job in jobs:
-            state = bank.loaded(job.slot)
-            if state is None or state.run_id != job.run_id or state.version < job.min_version:
+            if full is None:
+                slot = job.slot
+                state = bank.loaded(slot)
+                version = (
+                    state.version if state is not None and state.run_id == job.run_id else None
+                )
+            else:  # the base model is the full-weights run's policy, and no other run's
+                slot = NO_ADAPTER
+                version = full.version if full.run_id == job.run_id else None
+            if version is None or version < job.min_version:
                 outcomes.append(SlotChanged(f"slot {job.slot} moved on from {job.run_id}"))
                 versions.append(-1)
                 continue
             outcomes.append(RuntimeError("not generated"))
-            versions.append(state.version)
+            versions.append(version)
             for i, prompt in enumerate(job.prompts):
                 for j in range(job.n):
                     specs.append(
                         SequenceSpec(
                             prompt_ids=prompt,
-                            slot=job.slot,
+                            slot=slot,
                             max_tokens=job.max_tokens,
                             temperature=job.temperature,
                             top_p=job.top_p,

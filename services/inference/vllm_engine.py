@@ -16,6 +16,10 @@ Log-probabilities come from ``logprobs=1`` with the engine's ``logprobs_mode`` s
 ``processed_logprobs`` (vLLM >= 0.10.2): the log-probability of each sampled token after
 temperature and top-p, the torch engine's semantics. Temperature 0 reports 0.0, as there.
 
+Full model weights (``WeightsReady.kind == "full"``, a trainer started with ``--full-weights``)
+are not supported by this engine yet: :meth:`VllmEngine.install_full` refuses them with an error
+the weights follower reports, and the replica keeps serving what it served.
+
 vllm is imported only when this engine starts; without it (or without a GPU) the CLI refuses
 ``--engine vllm`` with :func:`vllm_unavailable_reason` and its tests are skipped.
 """
@@ -36,7 +40,7 @@ from typing import Any
 import torch
 
 from schemas.events import Completion, WeightsReady
-from services.inference.jobs import Job, JobResult, SlotChanged
+from services.inference.jobs import FullWeights, Job, JobResult, LoadInto, SlotChanged
 from services.inference.sampling import sequence_seed
 from services.model.peft_io import write_peft_dir
 
@@ -82,6 +86,7 @@ class VllmEngine:
         self.gpu_memory_utilization = gpu_memory_utilization
         self.dtype = dtype
         self._runs: dict[int, _RunAdapter] = {}
+        self.full_weights: FullWeights | None = None  # never set: full weights are refused
         self._lora_ids = itertools.count(1)
         self._listener: Callable[[], None] = lambda: None
         self.llm: Any = None
@@ -176,6 +181,13 @@ class VllmEngine:
             await asyncio.to_thread(shutil.rmtree, current.directory, True)
         self._listener()
         return True
+
+    async def install_full(self, event: WeightsReady, load: LoadInto) -> bool:
+        raise ValueError(
+            f"the vllm engine cannot install full model weights yet ({event.run_id} at step "
+            f"{event.step} was announced as kind 'full'): serve a trainer started with "
+            "--full-weights with --engine torch"
+        )
 
     # --- generation --------------------------------------------------------------------------
 

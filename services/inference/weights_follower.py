@@ -13,6 +13,12 @@ A load that fails (an unreadable or garbage-collected blob, a digest mismatch, t
 not fit) is tried ``attempts`` times in all, then reported once on ``plexrl.errors.<service>``
 and given up: the run keeps serving the version it had, and the next announcement of that run
 starts afresh. There is nothing to ack or term on an ordered consumer; giving up is final.
+
+Full weights (``kind == "full"``) are not loaded into fresh tensors: ``install_full`` gets the
+event and a loader bound to it, and hands that loader the tensors to receive the bytes into
+(the engine's own parameters). When a failed attempt may have written part of them
+(``WeightsError.touched``), the report says that the run is not served until a good version
+loads, rather than that its previous version stays in service.
 """
 
 from __future__ import annotations
@@ -28,17 +34,20 @@ from typing import Any
 from nats.aio.msg import Msg
 from nats.js import api
 from opentelemetry.trace import SpanKind, Status, StatusCode
+from torch import Tensor
 
 from schemas import subjects as sj
 from schemas.codec import DecodeError, decode
 from schemas.events import WeightsReady
 from services.bus import Bus, tracing
+from services.inference.jobs import LoadInto
 from services.weights.loader import WeightsError, load_weights
 from services.weights.transport import WeightFetcher
 
 log = logging.getLogger(__name__)
 
 Install = Callable[[WeightsReady, dict[str, Any]], Awaitable[None]]
+InstallFull = Callable[[WeightsReady, LoadInto], Awaitable[None]]
 
 
 class WeightsFollower:
@@ -46,8 +55,10 @@ class WeightsFollower:
 
     ``wanted`` decides without I/O (is the run known here, is the version newer); ``install``
     may raise ValueError for tensors that do not fit, which counts as a failed attempt.
-    ``fetchers`` receive the direct transports they name (a collective group joined at
-    start-up); see :func:`~services.weights.loader.load_weights`.
+    ``install_full`` installs full weights through the loader it is given (see the module
+    docstring); without it they are refused as a failed attempt. ``fetchers`` receive the
+    direct transports they name (a collective group joined at start-up); see
+    :func:`~services.weights.loader.load_weights`.
     """
 
     def __init__(
@@ -56,6 +67,7 @@ class WeightsFollower:
         *,
         wanted: Callable[[WeightsReady, dict[str, str]], bool],
         install: Install,
+        install_full: InstallFull | None = None,
         output_dir: Path | None = None,
         attempts: int = 2,
         retry_delay: float = 0.2,
@@ -65,6 +77,7 @@ class WeightsFollower:
         self.fetchers = dict(fetchers or {})
         self.wanted = wanted
         self.install = install
+        self.install_full = install_full
         self.output_dir = output_dir
         self.attempts = attempts
         self.retry_delay = retry_delay
@@ -159,30 +172,59 @@ class WeightsFollower:
                 "size_bytes": event.size_bytes,
             },
         ) as span:
-            error = ""
+            error, touched = "", False
             for attempt in range(1, self.attempts + 1):
                 self.tries[(event.run_id, event.step)] += 1
                 try:
-                    tensors = await load_weights(
-                        self.bus, event, self.output_dir, fetchers=self.fetchers
-                    )
-                    await self.install(event, tensors)
+                    if event.is_full:
+                        await self._install_full(event)
+                    else:
+                        tensors = await load_weights(
+                            self.bus, event, self.output_dir, fetchers=self.fetchers
+                        )
+                        await self.install(event, tensors)
                     return
                 except (WeightsError, ValueError) as exc:
                     error = str(exc)
+                    # Once written into, the parameters stay suspect until a load succeeds.
+                    touched = touched or (isinstance(exc, WeightsError) and exc.touched)
                     log.warning("%s (attempt %d of %d)", error, attempt, self.attempts)
                 if attempt < self.attempts:
                     await asyncio.sleep(self.retry_delay)
             self.failed[event.run_id] += 1
             span.set_status(Status(StatusCode.ERROR, error))
+            what = "full weights" if event.is_full else "adapter"
+            if touched:
+                outcome = (
+                    f"part of them was already written in place, so {event.run_id} is not "
+                    "served until a good version loads"
+                )
+            else:
+                outcome = "the previous version stays in service"
             await self.bus.report_error(
-                f"adapter of {event.run_id} at step {event.step} rejected after "
-                f"{self.attempts} attempts, the previous version stays in service: {error}",
+                f"{what} of {event.run_id} at step {event.step} rejected after "
+                f"{self.attempts} attempts, {outcome}: {error}",
                 run_id=event.run_id,
                 step=event.step,
                 transport=event.transport,
                 location=event.location,
+                kind="full" if event.is_full else "lora",
+                touched=touched,
             )
+
+    async def _install_full(self, event: WeightsReady) -> None:
+        if self.install_full is None:
+            raise ValueError(
+                f"full weights of {event.run_id} at step {event.step}: this replica does not "
+                "install full model weights"
+            )
+
+        async def load(destination: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+            return await load_weights(
+                self.bus, event, self.output_dir, fetchers=self.fetchers, destination=destination
+            )
+
+        await self.install_full(event, load)
 
 
 def _age(msg: Msg) -> float:

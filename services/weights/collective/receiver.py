@@ -9,6 +9,7 @@ import threading
 import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import CancelledError
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -92,6 +93,7 @@ class CollectiveReceiver:
         join_timeout: float = JOIN_TIMEOUT,
         rejoin_interval: float = REJOIN_INTERVAL,
         keep_per_run: int = 2,
+        write_guard: AbstractContextManager[Any] | None = None,
     ) -> None:
         if keep_per_run < 1:
             raise ValueError(f"keep_per_run must be at least 1, got {keep_per_run}")
@@ -104,6 +106,10 @@ class CollectiveReceiver:
         self.join_timeout = join_timeout
         self.rejoin_interval = rejoin_interval
         self.keep_per_run = keep_per_run
+        self.write_guard = write_guard
+        """Held by the receiving thread while a transfer lands in a registered destination: a
+        replica hands in the lock its generation holds, so no forward pass reads parameters that
+        are half written (transfers land as they arrive, not when ``fetch`` is called)."""
         self.generation: int | None = None
         """The generation this replica takes part in now, or None (joining)."""
         self._lock = threading.Lock()
@@ -462,16 +468,18 @@ class CollectiveReceiver:
         if in_place:
             with self._lock:
                 self._intact[frame.run_id] = None
+        guard = self.write_guard if in_place and self.write_guard is not None else nullcontext()
         # Received even when it cannot be used: every rank must take part in every bucket.
         try:
-            _move_buckets(
-                pg,
-                frame.segments,
-                frame.bucket_bytes,
-                views,
-                sending=False,
-                landed=decoder.landed if views is not None else None,
-            )
+            with guard:
+                _move_buckets(
+                    pg,
+                    frame.segments,
+                    frame.bucket_bytes,
+                    views,
+                    sending=False,
+                    landed=decoder.landed if views is not None else None,
+                )
         except BaseException:
             decoder.abandon()
             raise
