@@ -76,7 +76,7 @@ async def run_up(settings: UpSettings, nats_url: str | None, console: Console) -
     output_dir.mkdir(parents=True, exist_ok=True)
     model_dir = (settings.model or ensure_tiny_model(console)).resolve()
     runs = _demo_runs(settings)
-    max_runs = max(settings.max_runs, len(runs))
+    max_runs = settings.slots
     console.print(f"output: {output_dir}\nmodel:  {model_dir}")
 
     server: EmbeddedNats | None = None
@@ -131,6 +131,7 @@ async def run_up(settings: UpSettings, nats_url: str | None, console: Console) -
                 "--weight-transport",
                 settings.weight_transport,
                 *_transport_flags(settings.weight_transport),
+                *(["--full-weights"] if settings.full_weights else []),
                 *sizes,
                 *common,
             ],

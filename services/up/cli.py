@@ -36,6 +36,12 @@ def register(subparsers: Any) -> None:
         help="how adapters reach inference (default object_store)",
     )
     p.add_argument(
+        "--full-weights",
+        action="store_true",
+        default=None,
+        help="train the model's own weights instead of LoRA (one run; --runs 1)",
+    )
+    p.add_argument(
         "--no-live", action="store_true", help="print one line per step instead of a live table"
     )
     p.set_defaults(func=run)
@@ -53,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
         "output_dir": args.output_dir,
         "model": args.model,
         "weight_transport": args.weight_transport,
+        "full_weights": args.full_weights,
         "live": False if args.no_live else None,
     }
     try:

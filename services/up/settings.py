@@ -6,11 +6,12 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from schemas.config import OrchConfig, orch_config_from_dict
 
 DEMO_ENVS = ("reverse", "copy", "add")
+FULL_WEIGHTS_LR = 1e-4
 
 
 def default_cache_dir() -> Path:
@@ -37,11 +38,30 @@ class UpSettings(BaseModel):
     weight_transport: Literal["object_store", "filesystem", "ucx", "collective"] = Field(
         "object_store", description="how the trainer's adapters reach inference"
     )
+    full_weights: bool = Field(
+        False,
+        description="train the model's own weights (no LoRA): one run, full state dicts to inference",
+    )
     live: bool = Field(True, description="show the live table (off when stdout is not a terminal)")
     run: dict[str, Any] = Field(
         default_factory=dict,
         description="orch.toml keys applied to every demo run (e.g. [run.optim] lr = 2e-3)",
     )
+
+    @model_validator(mode="after")
+    def _one_run_for_full_weights(self) -> UpSettings:
+        if self.full_weights and "runs" not in self.model_fields_set:
+            self.runs = 1
+        if self.full_weights and self.runs != 1:
+            raise ValueError(
+                f"full_weights trains one run's whole model, so it takes runs = 1 (got {self.runs})"
+            )
+        return self
+
+    @property
+    def slots(self) -> int:
+        """Run slots of the registry, trainer and inference: one under full weights."""
+        return 1 if self.full_weights else max(self.max_runs, self.runs)
 
     def run_config(self, env: str, seed: int) -> OrchConfig:
         """The config of one demo run: tuned defaults, then ``[run]`` overrides, then the flags."""
@@ -53,7 +73,8 @@ class UpSettings(BaseModel):
             "batch_size": 8,
             "group_size": 8,
             "model": {"lora": {"rank": 8, "alpha": 16.0}},
-            "optim": {"lr": 2e-3},
+            # Full fine-tuning moves every weight, so it takes a much smaller step than LoRA.
+            "optim": {"lr": FULL_WEIGHTS_LR if self.full_weights else 2e-3},
             "sampling": {"temperature": 1.0, "max_tokens": 10},
             "ckpt": {"interval": 10},
         }
