@@ -1,4 +1,5 @@
-"""How adapters travel from the trainer to inference: store, announce, fetch, verify.
+"""How weights travel from the trainer to inference (a run's adapter, or under full-weight mode
+the whole model): store, announce, fetch, verify.
 
 - :mod:`services.weights.object_store`: blobs in the JetStream object store ``plexrl-weights``,
   read and written at stream speed.
