@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from schemas.config import OrchConfig, orch_config_from_dict
 
 DEMO_ENVS = ("reverse", "copy", "add")
-FULL_WEIGHTS_LR = 1e-4
+FULL_WEIGHTS_LR = 3e-4
 
 
 def default_cache_dir() -> Path:

@@ -4,13 +4,11 @@ in place, and the run's later steps are sampled from those versions."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
+from up_support import run_up_one_run
 
 from services.model.tiny import build_tiny_model
 
@@ -22,33 +20,26 @@ STEPS = 4
 @pytest.mark.parametrize("transport", ["object_store", "ucx"])
 def test_up_full_weights_trains_and_serves_each_version(transport: str, tmp_path: Path) -> None:
     model = build_tiny_model(tmp_path / "tiny", seed=0)
-    out = tmp_path / "out"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PLEXRL_", "OTEL_"))}
-    up = subprocess.run(
-        [
-            *(sys.executable, "-m", "services", "up", "--full-weights", "--steps", str(STEPS)),
-            *("--max-async-level", "1", "--model", str(model), "--output-dir", str(out)),
-            *("--weight-transport", transport, "--no-live", "--config", str(_config(tmp_path))),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
+    up = run_up_one_run(
+        tmp_path / "out",
+        *("--full-weights", "--steps", str(STEPS), "--max-async-level", "1"),
+        *(
+            "--model",
+            str(model),
+            "--weight-transport",
+            transport,
+            "--config",
+            str(_config(tmp_path)),
+        ),
     )
-    assert up.returncode == 0, f"plexrl up failed:\n{up.stdout}\n{up.stderr}"
-    (run_dir,) = [p for p in out.iterdir() if (p / "metrics.jsonl").exists()]
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == list(range(STEPS))
+    assert [m["step"] for m in up.metrics] == list(range(STEPS))
     # Step n waits for policy version >= n - 1: inference must have installed the full weights
     # the trainer sent, or the last steps could not have been generated.
-    assert [m["step"] - m["policy_lag"] for m in metrics][-1] >= STEPS - 2
-    trained = [
-        json.loads(line) for line in (run_dir / "trainer_steps.jsonl").read_text().splitlines()
-    ]
-    assert sorted(t["step"] for t in trained) == list(range(STEPS))
-    assert {t["weights"] for t in trained} == {"full"}
+    assert [m["step"] - m["policy_lag"] for m in up.metrics][-1] >= STEPS - 2
+    assert sorted(t["step"] for t in up.trained) == list(range(STEPS))
+    assert {t["weights"] for t in up.trained} == {"full"}
     # The last checkpoint holds the whole model, moved away from the base.
-    (ckpt,) = [p for p in (run_dir / "checkpoints").iterdir() if p.name == f"step_{STEPS}"]
+    (ckpt,) = [p for p in (up.run_dir / "checkpoints").iterdir() if p.name == f"step_{STEPS}"]
     meta = json.loads((ckpt / "meta.json").read_text())
     assert meta["kind"] == "full"
     with (
@@ -58,8 +49,7 @@ def test_up_full_weights_trains_and_serves_each_version(transport: str, tmp_path
         name = "model.layers.0.self_attn.q_proj.weight"
         assert not trained_file.get_tensor(name).equal(base_file.get_tensor(name))
     for service in ("trainer", "inference"):
-        log = (out / "logs" / f"{service}.log").read_text()
-        assert "Traceback" not in log, log
+        assert "Traceback" not in up.log(service), up.log(service)
 
 
 def _config(tmp_path: Path) -> Path:
