@@ -17,8 +17,11 @@ each tensor name to its ``dtype``, ``shape`` and ``data_offsets`` (plus ``__meta
 after the other in the order of their (sorted) names.
 
 A transport moves the data part as :func:`split` cuts it: each tensor's bytes in pieces of at
-most ``chunk_bytes``, a piece never spanning two tensors (so it is a view, not a copy); sender
-and receiver cut the same way, so piece ``k`` on one side is piece ``k`` on the other.
+most ``chunk_bytes``, a piece never spanning two tensors (so it is a view, not a copy); or as
+:func:`bucket_plan` cuts it, which also puts the pieces of small tensors together in shared
+buckets copied through a buffer, so that an adapter of hundreds of small tensors travels in a
+few messages rather than one per tensor. Sender and receiver cut the same way, so piece ``k`` on
+one side is piece ``k`` on the other.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import hashlib
 import json
 import struct
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +40,9 @@ from services.weights.errors import WeightsError
 
 CHUNK_BYTES = 8 << 20
 """Default piece size: large enough that per-message costs vanish, small enough to pipeline."""
+
+COALESCE_BELOW = 1 << 20
+"""Pieces smaller than this (or than half a bucket) share buckets, copied through a buffer."""
 
 MAX_HEADER_BYTES = 100_000_000
 """The largest header accepted; the limit the safetensors library itself enforces."""
@@ -77,6 +83,71 @@ def split(views: Iterable[memoryview], chunk_bytes: int = CHUNK_BYTES) -> Iterat
     for view in views:
         for start in range(0, len(view), chunk_bytes):
             yield view[start : start + chunk_bytes]
+
+
+def bucket_plan(lengths: Sequence[int], bucket_bytes: int) -> list[list[tuple[int, int, int]]]:
+    """How a stream's data travels: buckets of ``(segment, start, stop)`` pieces, in order.
+
+    Each segment (tensor) is cut into pieces of at most ``bucket_bytes``. A piece of at least
+    ``min(COALESCE_BELOW, bucket_bytes // 2)`` bytes is a bucket of its own, broadcast as a view
+    of the tensor's memory on both ends (no copy); smaller pieces share buckets of at most
+    ``bucket_bytes``, copied through a buffer. Sender and receiver compute the same plan from the
+    same lengths, so bucket ``k`` has the same size on every rank.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    alone = max(1, min(COALESCE_BELOW, bucket_bytes // 2))
+    plan: list[list[tuple[int, int, int]]] = []
+    shared: list[tuple[int, int, int]] = []
+    filled = 0
+    for i, length in enumerate(lengths):
+        for start in range(0, length, bucket_bytes):
+            stop = min(length, start + bucket_bytes)
+            if stop - start >= alone:
+                plan.append([(i, start, stop)])
+                continue
+            if filled + stop - start > bucket_bytes:
+                plan.append(shared)
+                shared, filled = [], 0
+            shared.append((i, start, stop))
+            filled += stop - start
+    if shared:
+        plan.append(shared)
+    return plan
+
+
+class LandedPrefix:
+    """Turns finished buckets into the stream-order prefix of bytes in place.
+
+    Small pieces wait in a shared bucket that travels after the large pieces behind them, so
+    buckets finish out of stream order; ``landed`` hears how far the data is complete from the
+    start, which is what a digest computed while receiving needs."""
+
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        plan: Sequence[Sequence[tuple[int, int, int]]],
+        landed: Callable[[int], None],
+    ) -> None:
+        starts = [0]
+        for length in lengths:
+            starts.append(starts[-1] + length)
+        # (global start, global stop, bucket) of every piece, in stream order
+        self._pieces = sorted(
+            (starts[i] + a, starts[i] + b, k) for k, bucket in enumerate(plan) for i, a, b in bucket
+        )
+        self._done: set[int] = set()
+        self._next = 0
+        self._landed = landed
+
+    def bucket_done(self, k: int) -> None:
+        self._done.add(k)
+        advanced = False
+        while self._next < len(self._pieces) and self._pieces[self._next][2] in self._done:
+            self._next += 1
+            advanced = True
+        if advanced:
+            self._landed(self._pieces[self._next - 1][1])
 
 
 class EncodedStream:

@@ -25,7 +25,7 @@ from services.weights import WeightsError
 from services.weights.collective import (
     CollectiveReceiver,
     CollectiveSender,
-    _Landed,
+    LandedPrefix,
     bucket_plan,
 )
 from services.weights.stream import EncodedStream
@@ -183,7 +183,7 @@ def test_buckets_finishing_out_of_order_report_the_complete_prefix_in_order() ->
     # The same plan: segment 0 (bytes 0-10) travels in bucket 4, after segment 1's pieces.
     lengths = [10, 250, 30, 0, 70, 40, 45]
     heard: list[int] = []
-    progress = _Landed(lengths, bucket_plan(lengths, 100), heard.append)
+    progress = LandedPrefix(lengths, bucket_plan(lengths, 100), heard.append)
     for k in range(6):
         progress.bucket_done(k)
     # Nothing is complete from the start until bucket 4 brings bytes 0-10 and 260-290; then

@@ -395,12 +395,16 @@ async def test_ucx_refusals_leave_the_destination_alone_and_corruption_is_touche
 async def test_a_ucx_transfer_cut_off_in_the_middle_is_touched(
     run_id: str, lora: LoraSpec, trained: _TinyLM, serving: _TinyLM, ucx_client: Any
 ):
-    from services.weights.ucx import UcxWeightClient, UcxWeightServer, _tag
+    from services.weights.ucx import UcxWeightClient, UcxWeightServer, _pieces, _tag
 
     class HalfServer(UcxWeightServer):
-        async def _send_stream(self, ep: Any, request_id: int, stream: EncodedStream) -> None:
+        async def _send_stream(
+            self, ep: Any, request_id: int, stream: EncodedStream, buckets: bool
+        ) -> None:
             await ep.send(memoryview(stream.header), tag=_tag(request_id, 1))
-            await ep.send(stream.data_segments()[0][: self.chunk_bytes], tag=_tag(request_id, 2))
+            segments = stream.data_segments()
+            first, _ = next(_pieces(segments, self.chunk_bytes, buckets, sending=True))
+            await ep.send(first, tag=_tag(request_id, 2))
             await asyncio.Event().wait()
 
     server = HalfServer(chunk_bytes=1 << 16)

@@ -132,6 +132,62 @@ async def test_many_requests_share_one_connection_and_many_clients_pull_at_once(
             await c.close()
 
 
+def _mixed_state() -> dict[str, torch.Tensor]:
+    """Many small tensors (an adapter's shape), a few large ones, an empty one, mixed dtypes."""
+    generator = torch.Generator().manual_seed(5)
+    state = {
+        f"layer.{i:03d}.lora_{ab}.weight": torch.randn(4, 96 + i, generator=generator)
+        for i in range(120)
+        for ab in "AB"
+    }
+    state["big.weight"] = torch.randn(700, 1000, generator=generator)  # 2.7 MB: 3 pieces
+    state["half.weight"] = torch.randn(300, 1000, generator=generator).to(torch.bfloat16)
+    state["empty.weight"] = torch.empty(0, 3)
+    return state
+
+
+@pytest.mark.parametrize("replica_wants_buckets", [True, False], ids=["buckets", "old-replica"])
+async def test_small_tensors_travel_together_and_an_old_replica_still_gets_pieces(
+    server: UcxWeightServer,
+    client: UcxWeightClient,
+    run_id: str,
+    replica_wants_buckets: bool,
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """A replica asking for the bucket plan gets the small tensors together, in a few messages;
+    one that predates it (no flag in its request) still gets one piece per tensor slice."""
+    from services.weights import ucx
+
+    if not replica_wants_buckets:
+        monkeypatch.setattr(ucx, "WANTS_BUCKETS", 0)
+    posted: dict[str, list[int]] = {"send": [], "recv": []}
+    original = ucx._pipeline
+
+    async def counting(ep: Any, op: str, pieces: Any, *args: Any) -> None:
+        def counted() -> Any:
+            for piece in pieces:
+                posted[op].append(len(piece[0]))
+                yield piece
+
+        await original(ep, op, counted(), *args)
+
+    monkeypatch.setattr(ucx, "_pipeline", counting)
+    state = _mixed_state()
+    stream = EncodedStream.from_state_dict(state)
+    event = _event(run_id, 1, await server.send(run_id, 1, stream), stream)
+    got = await client.fetch(event)
+    _same(got, state)
+    received = posted["recv"]
+    # Both ends cut the data the same way.
+    assert posted["send"] == received
+    assert sum(received) == stream.size - len(stream.header)
+    if replica_wants_buckets:
+        # 240 small tensors share 1 MiB buckets; the large tensors go in pieces of their own.
+        assert len(received) < 10
+    else:
+        assert len(received) == 240 + 3 + 1
+
+
 async def test_three_replica_processes_pull_a_stream_at_once(server: UcxWeightServer, run_id: str):
     g = torch.Generator().manual_seed(3)
     state = {f"layer{i}.weight": torch.randn(512, 1024 + i, generator=g) for i in range(3)}
@@ -206,11 +262,13 @@ async def test_a_destination_that_does_not_fit_is_refused_and_left_alone(
 
 
 class _Stalling(UcxWeightServer):
-    async def _send_stream(self, ep: Any, request_id: int, stream: EncodedStream) -> None:
+    async def _send_stream(
+        self, ep: Any, request_id: int, stream: EncodedStream, buckets: bool
+    ) -> None:
         if len(stream.names) == 1:  # the stream to stall on
             await ep.send(memoryview(stream.header), tag=_tag(request_id, 1))
             await asyncio.Event().wait()
-        await super()._send_stream(ep, request_id, stream)
+        await super()._send_stream(ep, request_id, stream, buckets)
 
 
 async def test_a_stalled_transfer_times_out_and_the_next_fetch_reconnects(run_id: str, adapter):

@@ -24,8 +24,7 @@ import torch
 from schemas.events import LoraSpec, WeightsReady
 from services.bus import Bus
 from services.weights import EncodedStream, WeightPublisher
-from services.weights.stream import split
-from services.weights.ucx import UcxWeightClient, UcxWeightServer, _tag
+from services.weights.ucx import UcxWeightClient, UcxWeightServer, _pieces, _tag
 
 RANK = 4
 LORA = LoraSpec(rank=RANK, alpha=8.0, target_modules=["q_proj"])
@@ -45,11 +44,13 @@ class StallingServer(UcxWeightServer):
 
     stall_above = 1 << 62
 
-    async def _send_stream(self, ep: Any, request_id: int, stream: EncodedStream) -> None:
+    async def _send_stream(
+        self, ep: Any, request_id: int, stream: EncodedStream, buckets: bool
+    ) -> None:
         if stream.size <= self.stall_above:
-            return await super()._send_stream(ep, request_id, stream)
+            return await super()._send_stream(ep, request_id, stream, buckets)
         await ep.send(memoryview(stream.header), tag=_tag(request_id, 1))
-        first = next(split(stream.data_segments(), self.chunk_bytes))
+        first, _ = next(_pieces(stream.data_segments(), self.chunk_bytes, buckets, sending=True))
         await ep.send(first, tag=_tag(request_id, 2))
         print("MID", flush=True)
         await asyncio.Event().wait()

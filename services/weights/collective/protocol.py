@@ -19,7 +19,13 @@ from torch import Tensor
 from schemas.events import WeightsReady
 from schemas.subjects import validate_service_name
 from services.weights.errors import WeightsError
-from services.weights.stream import EncodedStream, byte_view
+from services.weights.stream import (  # noqa: F401 (the plan is part of this protocol too)
+    COALESCE_BELOW,
+    EncodedStream,
+    LandedPrefix,
+    bucket_plan,
+    byte_view,
+)
 
 DEFAULT_GROUP = "default"
 SUBJECT_PREFIX = "plexrl.collective"
@@ -38,8 +44,6 @@ FETCH_TIMEOUT = 60.0
 MAX_FORM_ATTEMPTS = 3
 """Generations tried in a row after failures before the sender stops and waits for new joins."""
 MAGIC = 0x504C5843  # "PLXC"
-COALESCE_BELOW = 1 << 20
-"""Pieces smaller than this (or than half a bucket) share buckets, copied through a buffer."""
 MAX_FRAME_BYTES = 64 << 20
 
 
@@ -143,37 +147,6 @@ class _ProtocolError(RuntimeError):
     """The ranks are out of step; the generation cannot go on."""
 
 
-def bucket_plan(lengths: Sequence[int], bucket_bytes: int) -> list[list[tuple[int, int, int]]]:
-    """How a stream's data travels: buckets of ``(segment, start, stop)`` pieces, in order.
-
-    Each segment (tensor) is cut into pieces of at most ``bucket_bytes``. A piece of at least
-    ``min(COALESCE_BELOW, bucket_bytes // 2)`` bytes is a bucket of its own, broadcast as a view
-    of the tensor's memory on both ends (no copy); smaller pieces share buckets of at most
-    ``bucket_bytes``, copied through a buffer. Sender and receiver compute the same plan from the
-    same lengths, so bucket ``k`` has the same size on every rank.
-    """
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    alone = max(1, min(COALESCE_BELOW, bucket_bytes // 2))
-    plan: list[list[tuple[int, int, int]]] = []
-    shared: list[tuple[int, int, int]] = []
-    filled = 0
-    for i, length in enumerate(lengths):
-        for start in range(0, length, bucket_bytes):
-            stop = min(length, start + bucket_bytes)
-            if stop - start >= alone:
-                plan.append([(i, start, stop)])
-                continue
-            if filled + stop - start > bucket_bytes:
-                plan.append(shared)
-                shared, filled = [], 0
-            shared.append((i, start, stop))
-            filled += stop - start
-    if shared:
-        plan.append(shared)
-    return plan
-
-
 def _broadcast(pg: Any, tensor: Tensor) -> None:
     options = torch.distributed.BroadcastOptions()
     options.rootRank = 0
@@ -208,7 +181,7 @@ def _move_buckets(
     )
     buffer = torch.empty(max(shared, bucket_bytes if views is None else 0), dtype=torch.uint8)
     staging = byte_view(buffer)
-    progress = _Landed(lengths, plan, landed) if landed is not None else None
+    progress = LandedPrefix(lengths, plan, landed) if landed is not None else None
     for k, bucket in enumerate(plan):
         nbytes = sum(stop - start for _, start, stop in bucket)
         if views is not None and len(bucket) == 1:
@@ -232,40 +205,6 @@ def _move_buckets(
                 offset += stop - start
             if progress is not None:
                 progress.bucket_done(k)
-
-
-class _Landed:
-    """Turns finished buckets into the stream-order prefix of bytes in place.
-
-    Small pieces wait in a shared bucket that travels after the large pieces behind them, so
-    buckets finish out of stream order; ``landed`` hears how far the data is complete from the
-    start, which is what a digest computed while receiving needs."""
-
-    def __init__(
-        self,
-        lengths: Sequence[int],
-        plan: Sequence[Sequence[tuple[int, int, int]]],
-        landed: Callable[[int], None],
-    ) -> None:
-        starts = [0]
-        for length in lengths:
-            starts.append(starts[-1] + length)
-        # (global start, global stop, bucket) of every piece, in stream order
-        self._pieces = sorted(
-            (starts[i] + a, starts[i] + b, k) for k, bucket in enumerate(plan) for i, a, b in bucket
-        )
-        self._done: set[int] = set()
-        self._next = 0
-        self._landed = landed
-
-    def bucket_done(self, k: int) -> None:
-        self._done.add(k)
-        advanced = False
-        while self._next < len(self._pieces) and self._pieces[self._next][2] in self._done:
-            self._next += 1
-            advanced = True
-        if advanced:
-            self._landed(self._pieces[self._next - 1][1])
 
 
 def _send_stream(pg: Any, run_id: str, step: int, stream: EncodedStream, bucket_bytes: int) -> None:
