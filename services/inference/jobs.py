@@ -14,8 +14,9 @@ which :class:`FullWeights` records, and the engine serves no other run.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -94,6 +95,12 @@ class Engine(Protocol):
     max_lora_rank: int
     full_weights: FullWeights | None
     """None while the base model is the one loaded from disk."""
+
+    @property
+    def write_guard(self) -> AbstractContextManager[Any] | None:
+        """Held while the engine generates; a collective receiver holds it while full weights
+        land in the parameters as the broadcast arrives. None for an engine without full
+        weights."""
 
     def set_listener(self, listener: Callable[[], None]) -> None:
         """``listener()`` is called on the event loop whenever an available version changes."""

@@ -83,8 +83,7 @@ class InferenceService:
         fetchers: dict[str, WeightFetcher] = {}
         if weight_transport == "collective":
             # Full weights land in the parameters as the broadcast arrives: never mid-batch.
-            guard = getattr(engine, "write_guard", None)
-            self.receiver = CollectiveReceiver(bus, replica_name, write_guard=guard)
+            self.receiver = CollectiveReceiver(bus, replica_name, write_guard=engine.write_guard)
             fetchers["collective"] = self.receiver
         self.follower = WeightsFollower(
             bus,

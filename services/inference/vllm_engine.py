@@ -33,6 +33,7 @@ import json
 import shutil
 import uuid
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,7 @@ class VllmEngine:
         self.dtype = dtype
         self._runs: dict[int, _RunAdapter] = {}
         self.full_weights: FullWeights | None = None  # never set: full weights are refused
+        self.write_guard: AbstractContextManager[Any] | None = None
         self._lora_ids = itertools.count(1)
         self._listener: Callable[[], None] = lambda: None
         self.llm: Any = None

@@ -33,11 +33,12 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from services.model.lora import preview_keys
+from services.model.peft_io import FULL_WEIGHTS_FILE
 from services.model.routing import NO_ADAPTER
 
 __all__ = ["FullWeights", "TensorFiles", "base_weight_files"]
 
-SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
 
 
@@ -90,12 +91,12 @@ def base_weight_files(model_dir: Path) -> list[Path]:
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
         return [model_dir / name for name in sorted(set(weight_map.values()))]
-    single = model_dir / SINGLE_FILE
+    single = model_dir / FULL_WEIGHTS_FILE
     if single.is_file():
         return [single]
     raise ValueError(
         f"full-weight training reloads the base model from its safetensors files, and "
-        f"{model_dir} has neither {SINGLE_FILE} nor {SHARD_INDEX}; save the model with "
+        f"{model_dir} has neither {FULL_WEIGHTS_FILE} nor {SHARD_INDEX}; save the model with "
         "safe_serialization=True (save_pretrained's default) and point --model at it"
     )
 
@@ -182,8 +183,8 @@ class FullWeights:
         unexpected = sorted(set(source) - set(self._params)) if exact else []
         if missing or unexpected:
             raise ValueError(
-                f"{what} does not fit this model: missing {_preview(missing)}, unexpected "
-                f"{_preview(unexpected)}"
+                f"{what} does not fit this model: missing {preview_keys(missing)}, unexpected "
+                f"{preview_keys(unexpected)}"
             )
         for name, param in self._params.items():
             shape = source.shape(name) if isinstance(source, TensorFiles) else source[name].shape
@@ -201,10 +202,3 @@ class FullWeights:
         for name, param in self._params.items():
             param.copy_(source[name])
             param.grad = None
-
-
-def _preview(keys: list[str], limit: int = 4) -> str:
-    if not keys:
-        return "none"
-    shown = ", ".join(keys[:limit])
-    return f"{shown} (+{len(keys) - limit} more)" if len(keys) > limit else shown

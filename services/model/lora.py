@@ -366,7 +366,7 @@ class MultiLoRA:
         if missing or unexpected:
             raise ValueError(
                 f"adapter for slot {idx} does not fit this model: "
-                f"missing keys {_preview(missing)}, unexpected keys {_preview(unexpected)}"
+                f"missing keys {preview_keys(missing)}, unexpected keys {preview_keys(unexpected)}"
             )
         for key, shape in expected.items():
             got = tuple(state_dict[key].shape)
@@ -386,7 +386,8 @@ def _is_target(name: str, target_modules: Sequence[str]) -> bool:
     return any(name == t or name.endswith("." + t) for t in target_modules)
 
 
-def _preview(keys: list[str], limit: int = 4) -> str:
+def preview_keys(keys: list[str], limit: int = 4) -> str:
+    """The first ``limit`` of ``keys`` and how many more, for an error message."""
     if not keys:
         return "none"
     shown = ", ".join(keys[:limit])

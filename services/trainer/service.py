@@ -370,24 +370,19 @@ async def serve(
         trainer = Trainer(
             settings, bus, model, lora, pad_id=pad_id, vocab_size=vocab_size, ranks=ranks
         )
-        if settings.full_weights:
-            log.info(
-                "trainer: rank %d/%d training the full weights of %s for one run on %s",
-                ranks.rank,
-                ranks.world_size,
-                settings.model,
-                device,
-            )
-        else:
-            log.info(
-                "trainer: rank %d/%d serving %d slots (max rank %d) of %s on %s",
-                ranks.rank,
-                ranks.world_size,
-                settings.max_runs,
-                settings.max_lora_rank,
-                settings.model,
-                device,
-            )
+        what = (
+            "the full weights, for one run,"
+            if settings.full_weights
+            else f"{settings.max_runs} slots (max rank {settings.max_lora_rank})"
+        )
+        log.info(
+            "trainer: rank %d/%d training %s of %s on %s",
+            ranks.rank,
+            ranks.world_size,
+            what,
+            settings.model,
+            device,
+        )
         await trainer.run(stop)
     finally:
         await bus.close()

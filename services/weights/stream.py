@@ -116,6 +116,26 @@ def bucket_plan(lengths: Sequence[int], bucket_bytes: int) -> list[list[tuple[in
     return plan
 
 
+def gather(
+    buffer: memoryview, bucket: Sequence[tuple[int, int, int]], views: Sequence[memoryview]
+) -> None:
+    """Copy a shared bucket's pieces (``(segment, start, stop)`` of ``views``) into ``buffer``."""
+    offset = 0
+    for i, start, stop in bucket:
+        buffer[offset : offset + stop - start] = views[i][start:stop]
+        offset += stop - start
+
+
+def scatter(
+    buffer: memoryview, bucket: Sequence[tuple[int, int, int]], views: Sequence[memoryview]
+) -> None:
+    """The inverse of :func:`gather`: a received shared bucket's bytes to their segments."""
+    offset = 0
+    for i, start, stop in bucket:
+        views[i][start:stop] = buffer[offset : offset + stop - start]
+        offset += stop - start
+
+
 class LandedPrefix:
     """Turns finished buckets into the stream-order prefix of bytes in place.
 

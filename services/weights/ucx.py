@@ -79,6 +79,8 @@ from services.weights.stream import (
     LandedPrefix,
     StreamDecoder,
     bucket_plan,
+    gather,
+    scatter,
     split,
 )
 
@@ -421,40 +423,20 @@ def _pieces(
     plan = bucket_plan(lengths, chunk_bytes)
     progress = LandedPrefix(lengths, plan, landed) if landed is not None else None
     for k, bucket in enumerate(plan):
-        scatter: Callable[[], None] | None = None
+        after: Callable[[], None] | None = None
         if len(bucket) == 1:
             i, start, stop = bucket[0]
             piece = views[i][start:stop]
         else:
             piece = memoryview(bytearray(sum(stop - start for _, start, stop in bucket)))
             if sending:
-                _gather(piece, bucket, views)
+                gather(piece, bucket, views)
             else:
-                scatter = functools.partial(_scatter, piece, bucket, views)
+                after = functools.partial(scatter, piece, bucket, views)
         yield (
             piece,
-            _then(
-                scatter, None if progress is None else functools.partial(progress.bucket_done, k)
-            ),
+            _then(after, None if progress is None else functools.partial(progress.bucket_done, k)),
         )
-
-
-def _gather(
-    buffer: memoryview, bucket: Sequence[tuple[int, int, int]], views: Sequence[memoryview]
-) -> None:
-    offset = 0
-    for i, start, stop in bucket:
-        buffer[offset : offset + stop - start] = views[i][start:stop]
-        offset += stop - start
-
-
-def _scatter(
-    buffer: memoryview, bucket: Sequence[tuple[int, int, int]], views: Sequence[memoryview]
-) -> None:
-    offset = 0
-    for i, start, stop in bucket:
-        views[i][start:stop] = buffer[offset : offset + stop - start]
-        offset += stop - start
 
 
 def _then(

@@ -25,6 +25,8 @@ from services.weights.stream import (  # noqa: F401 (the plan is part of this pr
     LandedPrefix,
     bucket_plan,
     byte_view,
+    gather,
+    scatter,
 )
 
 DEFAULT_GROUP = "default"
@@ -193,16 +195,11 @@ def _move_buckets(
         if views is None:
             _broadcast(pg, buffer[:nbytes])
             continue
-        offset = 0
         if sending:
-            for i, start, stop in bucket:
-                staging[offset : offset + stop - start] = views[i][start:stop]
-                offset += stop - start
+            gather(staging, bucket, views)
         _broadcast(pg, buffer[:nbytes])
         if not sending:
-            for i, start, stop in bucket:
-                views[i][start:stop] = staging[offset : offset + stop - start]
-                offset += stop - start
+            scatter(staging, bucket, views)
             if progress is not None:
                 progress.bucket_done(k)
 
