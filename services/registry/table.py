@@ -14,6 +14,7 @@ silently overwriting.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any, Literal
@@ -29,6 +30,14 @@ log = logging.getLogger(__name__)
 
 Status = Literal["waiting", "active", "invalid", "evicted", "forgotten"]
 STATUSES: tuple[Status, ...] = ("waiting", "active", "invalid", "evicted", "forgotten")
+
+
+# how long a read of the table may wait for records the server says are still coming
+LOAD_TIMEOUT_S = 30.0
+
+
+class TableUnreadable(RuntimeError):
+    """The table could not be read to its end."""
 
 
 class TableConflict(RuntimeError):
@@ -134,27 +143,48 @@ class RunTable:
         self._revisions: dict[str, int] = {}
 
     async def load(self) -> dict[str, RunRecord]:
-        """Every record in the bucket (the latest value per key), remembering revisions."""
+        """Every record in the bucket (the latest value per key), remembering revisions.
+
+        The read ends at the entry the server says is the last one pending, not at nats-py's
+        end-of-initial-values marker: that marker can come before entries already on their way
+        (the client decides from a consumer-info reply that may overtake them), and a registry
+        that restarted on a short read would hand out indices it had already given away.
+        """
         records: dict[str, RunRecord] = {}
+        status = await self.kv.status()
+        if not status.stream_info.state.messages:
+            return records
         watcher = await self.kv.watchall()
         try:
-            async for entry in watcher:
-                if entry is None:  # the end of the initial values
-                    break
-                if entry.operation in (KV_DEL, KV_PURGE) or entry.value is None:
-                    self._revisions.pop(entry.key, None)
-                    records.pop(entry.key, None)
-                    continue
-                try:
-                    record = decode_record(entry.value)
-                except msgspec.DecodeError as exc:
-                    log.error("plexrl-registry: skipping unreadable record %s: %s", entry.key, exc)
-                    continue
-                records[entry.key] = record
-                self._revisions[entry.key] = entry.revision or 0
+            async with asyncio.timeout(LOAD_TIMEOUT_S):
+                async for entry in watcher:
+                    if entry is None:  # possibly early: wait for the entry with nothing after it
+                        continue
+                    self._apply(records, entry)
+                    if entry.delta == 0:
+                        break
+        except TimeoutError as exc:
+            raise TableUnreadable(
+                f"plexrl-registry: reading bucket {status.bucket!r} found {len(records)} of its "
+                f"records and nothing more came within {LOAD_TIMEOUT_S:.0f}s: is the NATS server "
+                "overloaded, or was the bucket's stream purged while it was read?"
+            ) from exc
         finally:
             await watcher.stop()
         return records
+
+    def _apply(self, records: dict[str, RunRecord], entry: KeyValue.Entry) -> None:
+        if entry.operation in (KV_DEL, KV_PURGE) or entry.value is None:
+            self._revisions.pop(entry.key, None)
+            records.pop(entry.key, None)
+            return
+        try:
+            record = decode_record(entry.value)
+        except msgspec.DecodeError as exc:
+            log.error("plexrl-registry: skipping unreadable record %s: %s", entry.key, exc)
+            return
+        records[entry.key] = record
+        self._revisions[entry.key] = entry.revision or 0
 
     async def save(self, record: RunRecord) -> None:
         """Write ``record``; :class:`TableConflict` if someone else wrote it since we read it."""
