@@ -16,9 +16,10 @@ parsed. Full weights, and anything with a ``destination``, are received as a str
 destination before a byte is written; then the data straight into the tensors (the object
 store's chunks as they arrive, the file with ``readinto``), hashed while it lands. A model is
 never held twice: not as a blob beside its tensors, and, with a destination (the serving
-model's parameters), not beside the parameters either. A failure after the data started to land
-has ``WeightsError.touched`` set: the destination is partly overwritten and holds no usable
-version until a good one lands.
+model's parameters), not beside the parameters either (parameters on a GPU are the exception:
+they are received into host memory and copied in once the digest matched). A failure after the
+data started to land in place has ``WeightsError.touched`` set: the destination is partly
+overwritten and holds no usable version until a good one lands.
 """
 
 from __future__ import annotations

@@ -248,12 +248,14 @@ class StreamDecoder:
 
     ``where`` starts every error message (``"weights for run_a step 3"``). ``size`` and
     ``digest`` are what the announcement says the whole stream is. With ``destination``, the
-    stream is received straight into those tensors (full-weight mode: no second copy): the
     stream must hold exactly the destination's tensors, each with the same dtype and shape,
-    contiguous and on the CPU, which :meth:`feed_header` checks before a byte is written. A
-    transfer that fails after that leaves them partly overwritten; every WeightsError raised
-    from then on has ``touched`` set (see :attr:`touched`), so the caller knows the destination
-    holds no usable version any more.
+    which :meth:`feed_header` checks before a byte is written. Contiguous CPU tensors are
+    received straight into (full-weight mode: no second copy); a transfer that fails after that
+    leaves them partly overwritten, and every WeightsError raised from then on has ``touched``
+    set (see :attr:`touched`), so the caller knows the destination holds no usable version any
+    more. Any other destination tensor (on a GPU, or not contiguous) is received into a CPU
+    tensor of its own and copied into the destination by :meth:`finish`, after the digest
+    matched: a failed transfer leaves such tensors as they were.
     """
 
     def __init__(
@@ -271,6 +273,10 @@ class StreamDecoder:
         self._tensors: dict[str, Tensor] = {}
         self._views: list[memoryview] = []
         self._handed_out = False
+        # (destination tensor, the CPU tensor its bytes land in), for those not written in place
+        self._staged: list[tuple[Tensor, Tensor]] = []
+        self._in_place = False  # whether any destination tensor takes the bytes directly
+        self._copying = False  # finish() has started copying staged tensors into place
         # What :meth:`feed` has taken so far: the header's bytes until it is complete, then how
         # many data bytes are in place and where the next one goes (a view and an offset in it).
         self._pending = bytearray()
@@ -286,9 +292,12 @@ class StreamDecoder:
 
     @property
     def touched(self) -> bool:
-        """Whether the destination may hold some of this stream's bytes: true once its views
-        were handed out for writing (:meth:`targets`, :meth:`feed`), never without one."""
-        return self.destination is not None and self._handed_out
+        """Whether the destination may hold some of this stream's bytes: true once views of
+        its own tensors were handed out for writing (:meth:`targets`, :meth:`feed`) or
+        :meth:`finish` began copying staged tensors into it; never without a destination."""
+        if self.destination is None:
+            return False
+        return (self._handed_out and self._in_place) or self._copying
 
     @staticmethod
     def header_length(
@@ -331,9 +340,13 @@ class StreamDecoder:
             )
         if self.destination is not None:
             check_fits(where, [(e.name, e.dtype, e.shape) for e in entries], self.destination)
-        tensors = {e.name: self._target(e) for e in entries}
-        self._tensors = tensors
-        self._views = [byte_view(t) for t in tensors.values()]
+        landing = {e.name: self._target(e) for e in entries}
+        self._views = [byte_view(t) for t in landing.values()]
+        if self.destination is None:
+            self._tensors = landing
+        else:
+            self._tensors = {name: self.destination[name] for name in landing}
+            self._in_place = len(self._staged) < len(landing)
         self._header = bytes(header)
 
     def targets(self) -> list[memoryview]:
@@ -452,7 +465,26 @@ class StreamDecoder:
                 f"received bytes hash to {got}",
                 touched=self.touched,
             )
+        self._copy_staged()
         return dict(self._tensors)
+
+    def _copy_staged(self) -> None:
+        """The staged tensors into their destination tensors, then let the staging go."""
+        if not self._staged:
+            return
+        self._copying = True
+        try:
+            with torch.no_grad():
+                for target, staged in self._staged:
+                    target.copy_(staged)
+        except RuntimeError as exc:  # a device out of memory, or gone
+            raise WeightsError(
+                f"{self.where}: copying the received tensors into the destination failed "
+                f"({type(exc).__name__}: {exc})",
+                touched=True,
+            ) from exc
+        self._staged = []
+        self._views = []
 
     def _hash_as_landed(self) -> None:
         assert self._header is not None
@@ -539,18 +571,17 @@ class StreamDecoder:
         return _Entry(name, dtype, shape, offsets[0], offsets[1])
 
     def _target(self, entry: _Entry) -> Tensor:
-        """A fresh tensor for ``entry``, or the destination's tensor (:func:`check_fits` has
-        checked that it has the entry's dtype and shape) after checking it can be written."""
+        """Where ``entry``'s bytes land: a fresh tensor; or the destination's own tensor
+        (:func:`check_fits` has checked its dtype and shape) when it is a contiguous CPU tensor,
+        else a CPU tensor staged for :meth:`finish` to copy into it."""
         if self.destination is None:
             return torch.empty(entry.shape, dtype=entry.dtype)
-        where, name = self.where, entry.name
-        tensor = self.destination[name]
-        if tensor.device.type != "cpu" or not tensor.is_contiguous():
-            raise WeightsError(
-                f"{where}: destination tensor {name!r} must be contiguous and on the CPU to "
-                f"receive in place (it is on {tensor.device}, contiguous={tensor.is_contiguous()})"
-            )
-        return tensor
+        tensor = self.destination[entry.name]
+        if tensor.device.type == "cpu" and tensor.is_contiguous():
+            return tensor
+        staged = torch.empty(entry.shape, dtype=entry.dtype)
+        self._staged.append((tensor, staged))
+        return staged
 
 
 def check_fits(

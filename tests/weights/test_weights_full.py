@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import threading
 import tracemalloc
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -84,6 +85,16 @@ def _snapshot(destination: State) -> State:
 
 def _unchanged(destination: State, before: State) -> bool:
     return all(torch.equal(destination[name], before[name]) for name in before)
+
+
+def _off_the_cpu_path(model: torch.nn.Module) -> State:
+    """``model``'s parameters as tensors that cannot take bytes in place, as a GPU replica's
+    cannot: each a strided copy (a receiver stages them on the CPU, then copies them in)."""
+    out: State = {}
+    for name, p in model.named_parameters():
+        strided = torch.zeros(p.numel() * 2, dtype=p.dtype)[::2].view(p.shape)
+        out[name] = strided.copy_(p.detach())
+    return out
 
 
 @pytest.fixture
@@ -312,6 +323,31 @@ async def test_a_corrupted_model_file_is_reported_as_touched(
     assert _unchanged(destination, before)
 
 
+@pytest.mark.parametrize("transport", ["object_store", "filesystem"])
+async def test_tensors_off_the_cpu_path_get_the_weights_only_once_the_digest_matched(
+    bus: Bus, tmp_path: Path, run_id: str, lora: LoraSpec, trained: _TinyLM, transport: Any
+):
+    publisher = WeightPublisher(bus, tmp_path, transport=transport)
+    sent = weights_of(trained)
+    event = await publisher.publish(run_id, 0, 1, sent, lora, kind="full")
+    destination = _off_the_cpu_path(tiny_lm(2))
+    got = await load_weights(bus, event, tmp_path, destination=destination)
+    assert all(got[k] is destination[k] and torch.equal(got[k], sent[k]) for k in sent)
+    # A corrupted step 2: staged, refused, and the destination still holds step 1.
+    event = await publisher.publish(run_id, 0, 2, weights_of(tiny_lm(5)), lora, kind="full")
+    if transport == "object_store":
+        stored = bytearray(await get_blob(bus, event.location))
+        stored[-1] ^= 0x01
+        await write_blob(bus, event.location, bytes(stored), event.digest)
+    else:
+        path = Path(event.location) / FULL_WEIGHTS_FILE
+        path.write_bytes(path.read_bytes()[:-1] + bytes([path.read_bytes()[-1] ^ 0x01]))
+    with pytest.raises(WeightsError, match="digest mismatch") as err:
+        await load_weights(bus, event, tmp_path, destination=destination)
+    assert err.value.touched is False
+    assert all(torch.equal(destination[k], sent[k]) for k in sent)
+
+
 # --- ucx ----------------------------------------------------------------------------------------
 
 
@@ -388,6 +424,32 @@ async def test_ucx_refusals_leave_the_destination_alone_and_corruption_is_touche
             await ucx_client.fetch(event, destination=destination)
         assert err.value.touched is True
         assert not _unchanged(destination, before)
+    finally:
+        await server.close()
+
+
+async def test_ucx_into_tensors_off_the_cpu_path_lands_after_the_digest(
+    run_id: str, lora: LoraSpec, trained: _TinyLM, ucx_client: Any
+):
+    from services.weights.ucx import UcxWeightServer
+
+    server = UcxWeightServer(keep_last=2, chunk_bytes=1 << 18)
+    await server.start()
+    try:
+        sent = weights_of(trained)
+        stream = EncodedStream.from_state_dict(sent)
+        event = _event(run_id, 1, "ucx", await server.send(run_id, 1, stream), stream, lora)
+        destination = _off_the_cpu_path(tiny_lm(2))
+        got = await ucx_client.fetch(event, destination=destination)
+        assert all(got[k] is destination[k] and torch.equal(got[k], sent[k]) for k in sent)
+        stream = EncodedStream.from_state_dict({k: t.clone() for k, t in sent.items()})
+        event = _event(run_id, 2, "ucx", await server.send(run_id, 2, stream), stream, lora)
+        stream._tensors[0].add_(1.0)  # changed after it was hashed
+        before = _snapshot(destination)
+        with pytest.raises(WeightsError, match="digest mismatch") as err:
+            await ucx_client.fetch(event, destination=destination)
+        assert err.value.touched is False
+        assert _unchanged(destination, before)
     finally:
         await server.close()
 
@@ -531,6 +593,36 @@ async def test_collective_refusals_leave_the_destination_alone_and_corruption_is
         await receiver.fetch(event, destination=destination)
     assert err.value.touched is True
     assert not _unchanged(destination, before)
+
+
+async def test_collective_into_tensors_off_the_cpu_path_lands_after_the_digest(
+    run_id: str, lora: LoraSpec, trained: _TinyLM, collective: Any
+):
+    sender, receiver = collective
+    guard = threading.Lock()
+    receiver.write_guard = guard
+    sent = weights_of(trained)
+    destination = _off_the_cpu_path(tiny_lm(2))
+    receiver.receive_into(run_id, destination)
+    before = _snapshot(destination)
+    # The staged tensors are copied in under the write guard, like bytes received in place:
+    # held, it keeps the whole transfer (and the sender) waiting.
+    guard.acquire()
+    stream = EncodedStream.from_state_dict(sent)
+    sending = asyncio.ensure_future(sender.send(run_id, 1, stream))
+    await asyncio.sleep(0.5)
+    assert not sending.done() and _unchanged(destination, before)
+    guard.release()
+    event = _event(run_id, 1, "collective", await sending, stream, lora)
+    got = await receiver.fetch(event, destination=destination)
+    assert all(got[k] is destination[k] and torch.equal(got[k], sent[k]) for k in sent)
+    stream = EncodedStream.from_state_dict({k: t.clone() for k, t in sent.items()})
+    stream._tensors[0].add_(1.0)
+    event = _event(run_id, 2, "collective", await sender.send(run_id, 2, stream), stream, lora)
+    with pytest.raises(WeightsError, match="digest mismatch") as err:
+        await receiver.fetch(event, destination=destination)
+    assert err.value.touched is False
+    assert all(torch.equal(destination[k], sent[k]) for k in sent)
 
 
 def _event(

@@ -470,8 +470,9 @@ class CollectiveReceiver:
                 self._intact[frame.run_id] = None
         guard = self.write_guard if in_place and self.write_guard is not None else nullcontext()
         # Received even when it cannot be used: every rank must take part in every bucket.
-        try:
-            with guard:
+        state = None
+        with guard:
+            try:
                 _move_buckets(
                     pg,
                     frame.segments,
@@ -480,15 +481,16 @@ class CollectiveReceiver:
                     sending=False,
                     landed=decoder.landed if views is not None else None,
                 )
-        except BaseException:
-            decoder.abandon()
-            raise
-        state = None
-        if views is not None:
-            try:
-                state = decoder.finish()
-            except WeightsError as exc:
-                error, touched = str(exc), exc.touched
+            except BaseException:
+                decoder.abandon()
+                raise
+            if views is not None:
+                try:
+                    # under the guard too: tensors staged off the destination (on a GPU, or
+                    # strided) are copied into it here
+                    state = decoder.finish()
+                except WeightsError as exc:
+                    error, touched = str(exc), exc.touched
         with self._lock:
             if in_place and state is not None:
                 self._intact[frame.run_id] = frame.step
