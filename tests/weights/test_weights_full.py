@@ -363,6 +363,34 @@ async def ucx_client() -> AsyncIterator[Any]:
     await client.close()
 
 
+@pytest.fixture
+async def ucx_server(ucx_client: Any) -> AsyncIterator[Any]:
+    from services.weights.ucx import UcxWeightServer
+
+    server = UcxWeightServer(keep_last=2, chunk_bytes=1 << 18)
+    await server.start()
+    yield server
+    await server.close()
+
+
+async def _sent(
+    sender: Any,
+    transport: Any,
+    run_id: str,
+    step: int,
+    state: State,
+    lora: LoraSpec,
+    *,
+    changed: bool = False,
+) -> WeightsReady:
+    """``state`` sent by a direct ``sender`` as ``run_id``'s ``step``, and its announcement;
+    ``changed``: a byte changes after the digest was taken (the transfer lands, then fails)."""
+    stream = EncodedStream.from_state_dict({k: t.clone() for k, t in state.items()})
+    if changed:
+        stream._tensors[0].add_(1.0)
+    return _event(run_id, step, transport, await sender.send(run_id, step, stream), stream, lora)
+
+
 async def test_ucx_full_weights_land_in_place_and_only_the_newest_is_held(
     bus: Bus, tmp_path: Path, run_id: str, lora: LoraSpec, adapter: State, ucx_client: Any
 ):
@@ -396,62 +424,47 @@ async def test_ucx_full_weights_land_in_place_and_only_the_newest_is_held(
 
 
 async def test_ucx_refusals_leave_the_destination_alone_and_corruption_is_touched(
-    run_id: str, lora: LoraSpec, trained: _TinyLM, serving: _TinyLM, ucx_client: Any
+    run_id: str,
+    lora: LoraSpec,
+    trained: _TinyLM,
+    serving: _TinyLM,
+    ucx_client: Any,
+    ucx_server: Any,
 ):
-    from services.weights.ucx import UcxWeightServer
+    sent = weights_of(trained)
+    event = await _sent(ucx_server, "ucx", run_id, 1, sent, lora)
+    destination = dict(serving.named_parameters())
+    destination["norm.weight"] = torch.zeros(256, dtype=torch.float16)
+    before = _snapshot(destination)
+    with pytest.raises(WeightsError, match="must use the same dtype") as err:
+        await ucx_client.fetch(event, destination=destination)
+    assert err.value.touched is False
+    assert _unchanged(destination, before)
 
-    server = UcxWeightServer(keep_last=2, chunk_bytes=1 << 18)
-    await server.start()
-    try:
-        sent = weights_of(trained)
-        stream = EncodedStream.from_state_dict(sent)
-        event = _event(run_id, 1, "ucx", await server.send(run_id, 1, stream), stream, lora)
-        destination = dict(serving.named_parameters())
-        destination["norm.weight"] = torch.zeros(256, dtype=torch.float16)
-        before = _snapshot(destination)
-        with pytest.raises(WeightsError, match="must use the same dtype") as err:
-            await ucx_client.fetch(event, destination=destination)
-        assert err.value.touched is False
-        assert _unchanged(destination, before)
-
-        # Bytes that changed after they were hashed land, then fail the digest.
-        stream = EncodedStream.from_state_dict({k: t.clone() for k, t in sent.items()})
-        event = _event(run_id, 2, "ucx", await server.send(run_id, 2, stream), stream, lora)
-        stream._tensors[0].add_(1.0)
-        destination = dict(tiny_lm(4).named_parameters())
-        before = _snapshot(destination)
-        with pytest.raises(WeightsError, match="digest mismatch") as err:
-            await ucx_client.fetch(event, destination=destination)
-        assert err.value.touched is True
-        assert not _unchanged(destination, before)
-    finally:
-        await server.close()
+    # Bytes that changed after they were hashed land, then fail the digest.
+    event = await _sent(ucx_server, "ucx", run_id, 2, sent, lora, changed=True)
+    destination = dict(tiny_lm(4).named_parameters())
+    before = _snapshot(destination)
+    with pytest.raises(WeightsError, match="digest mismatch") as err:
+        await ucx_client.fetch(event, destination=destination)
+    assert err.value.touched is True
+    assert not _unchanged(destination, before)
 
 
 async def test_ucx_into_tensors_off_the_cpu_path_lands_after_the_digest(
-    run_id: str, lora: LoraSpec, trained: _TinyLM, ucx_client: Any
+    run_id: str, lora: LoraSpec, trained: _TinyLM, ucx_client: Any, ucx_server: Any
 ):
-    from services.weights.ucx import UcxWeightServer
-
-    server = UcxWeightServer(keep_last=2, chunk_bytes=1 << 18)
-    await server.start()
-    try:
-        sent = weights_of(trained)
-        stream = EncodedStream.from_state_dict(sent)
-        event = _event(run_id, 1, "ucx", await server.send(run_id, 1, stream), stream, lora)
-        destination = _off_the_cpu_path(tiny_lm(2))
-        got = await ucx_client.fetch(event, destination=destination)
-        assert all(got[k] is destination[k] and torch.equal(got[k], sent[k]) for k in sent)
-        stream = EncodedStream.from_state_dict({k: t.clone() for k, t in sent.items()})
-        event = _event(run_id, 2, "ucx", await server.send(run_id, 2, stream), stream, lora)
-        stream._tensors[0].add_(1.0)  # changed after it was hashed
-        before = _snapshot(destination)
-        with pytest.raises(WeightsError, match="digest mismatch") as err:
-            await ucx_client.fetch(event, destination=destination)
-        assert err.value.touched is False
-        assert _unchanged(destination, before)
-    finally:
-        await server.close()
+    sent = weights_of(trained)
+    event = await _sent(ucx_server, "ucx", run_id, 1, sent, lora)
+    destination = _off_the_cpu_path(tiny_lm(2))
+    got = await ucx_client.fetch(event, destination=destination)
+    assert all(got[k] is destination[k] and torch.equal(got[k], sent[k]) for k in sent)
+    event = await _sent(ucx_server, "ucx", run_id, 2, sent, lora, changed=True)
+    before = _snapshot(destination)
+    with pytest.raises(WeightsError, match="digest mismatch") as err:
+        await ucx_client.fetch(event, destination=destination)
+    assert err.value.touched is False
+    assert _unchanged(destination, before)
 
 
 async def test_a_ucx_transfer_cut_off_in_the_middle_is_touched(
@@ -562,8 +575,7 @@ async def test_collective_refusals_leave_the_destination_alone_and_corruption_is
     half = {k: t.to(torch.float16) for k, t in weights_of(tiny_lm(2)).items()}
     receiver.receive_into(run_id, half)
     before = _snapshot(half)
-    stream = EncodedStream.from_state_dict(sent)
-    event = _event(run_id, 1, "collective", await sender.send(run_id, 1, stream), stream, lora)
+    event = await _sent(sender, "collective", run_id, 1, sent, lora)
     with pytest.raises(WeightsError, match="must use the same dtype") as err:
         await receiver.fetch(event, destination=half)
     assert err.value.touched is False
@@ -571,8 +583,7 @@ async def test_collective_refusals_leave_the_destination_alone_and_corruption_is
 
     # One that was not registered gets a copy, only after every tensor is known to fit.
     other = f"{run_id}x"
-    stream = EncodedStream.from_state_dict(sent)
-    event = _event(other, 1, "collective", await sender.send(other, 1, stream), stream, lora)
+    event = await _sent(sender, "collective", other, 1, sent, lora)
     await _until(lambda: 1 in receiver._received.get(other, {}))
     short = dict(tiny_lm(3).named_parameters())
     del short["up.bias"]
@@ -586,9 +597,7 @@ async def test_collective_refusals_leave_the_destination_alone_and_corruption_is
     destination = dict(tiny_lm(4).named_parameters())
     receiver.receive_into(other, destination)
     before = _snapshot(destination)
-    stream = EncodedStream.from_state_dict({k: t.clone() for k, t in sent.items()})
-    stream._tensors[0].add_(1.0)
-    event = _event(other, 2, "collective", await sender.send(other, 2, stream), stream, lora)
+    event = await _sent(sender, "collective", other, 2, sent, lora, changed=True)
     with pytest.raises(WeightsError, match="digest mismatch") as err:
         await receiver.fetch(event, destination=destination)
     assert err.value.touched is True
@@ -616,9 +625,7 @@ async def test_collective_into_tensors_off_the_cpu_path_lands_after_the_digest(
     event = _event(run_id, 1, "collective", await sending, stream, lora)
     got = await receiver.fetch(event, destination=destination)
     assert all(got[k] is destination[k] and torch.equal(got[k], sent[k]) for k in sent)
-    stream = EncodedStream.from_state_dict({k: t.clone() for k, t in sent.items()})
-    stream._tensors[0].add_(1.0)
-    event = _event(run_id, 2, "collective", await sender.send(run_id, 2, stream), stream, lora)
+    event = await _sent(sender, "collective", run_id, 2, sent, lora, changed=True)
     with pytest.raises(WeightsError, match="digest mismatch") as err:
         await receiver.fetch(event, destination=destination)
     assert err.value.touched is False
