@@ -275,8 +275,6 @@ class StreamDecoder:
         self._handed_out = False
         # (destination tensor, the CPU tensor its bytes land in), for those not written in place
         self._staged: list[tuple[Tensor, Tensor]] = []
-        self._in_place = False  # whether any destination tensor takes the bytes directly
-        self._copying = False  # finish() has started copying staged tensors into place
         # What :meth:`feed` has taken so far: the header's bytes until it is complete, then how
         # many data bytes are in place and where the next one goes (a view and an offset in it).
         self._pending = bytearray()
@@ -293,11 +291,11 @@ class StreamDecoder:
     @property
     def touched(self) -> bool:
         """Whether the destination may hold some of this stream's bytes: true once views of
-        its own tensors were handed out for writing (:meth:`targets`, :meth:`feed`) or
-        :meth:`finish` began copying staged tensors into it; never without a destination."""
-        if self.destination is None:
-            return False
-        return (self._handed_out and self._in_place) or self._copying
+        its own tensors (not only staged ones) were handed out for writing (:meth:`targets`,
+        :meth:`feed`); never without a destination. A failed copy of the staged tensors in
+        :meth:`finish` raises with ``touched`` set itself."""
+        in_place = len(self._staged) < len(self._views)
+        return self.destination is not None and self._handed_out and in_place
 
     @staticmethod
     def header_length(
@@ -346,7 +344,6 @@ class StreamDecoder:
             self._tensors = landing
         else:
             self._tensors = {name: self.destination[name] for name in landing}
-            self._in_place = len(self._staged) < len(landing)
         self._header = bytes(header)
 
     def targets(self) -> list[memoryview]:
@@ -469,10 +466,7 @@ class StreamDecoder:
         return dict(self._tensors)
 
     def _copy_staged(self) -> None:
-        """The staged tensors into their destination tensors, then let the staging go."""
-        if not self._staged:
-            return
-        self._copying = True
+        """The staged tensors into their destination tensors."""
         try:
             with torch.no_grad():
                 for target, staged in self._staged:
@@ -483,8 +477,6 @@ class StreamDecoder:
                 f"({type(exc).__name__}: {exc})",
                 touched=True,
             ) from exc
-        self._staged = []
-        self._views = []
 
     def _hash_as_landed(self) -> None:
         assert self._header is not None
