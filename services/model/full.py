@@ -28,6 +28,7 @@ import json
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Literal
 
 import torch
 from safetensors import safe_open
@@ -104,7 +105,8 @@ def base_weight_files(model_dir: Path) -> list[Path]:
 class FullWeights:
     """The whole model as one trainable slot, with the slot operations the trainer uses."""
 
-    n_adapters = 1
+    kind: Literal["full"] = "full"
+    """what the slot is published and checkpointed as (``WeightsReady.kind``)"""
     target_modules: tuple[str, ...] = ()
     """no module carries an adapter: every parameter is trained"""
 
@@ -148,10 +150,6 @@ class FullWeights:
             self._copy_in(TensorFiles(self.base_files), "the base model", exact=False)
         # The run this is reset for trains these very tensors from here on.
         self._holds_base = False
-
-    def slot_named_parameters(self, idx: int) -> list[tuple[str, nn.Parameter]]:
-        self._check_slot(idx)
-        return list(self._params.items())
 
     def slot_parameters(self, idx: int) -> list[nn.Parameter]:
         self._check_slot(idx)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import Literal
 
 import torch
 from torch import nn
@@ -229,6 +230,9 @@ class MultiLoRA:
     ``slot_parameters(idx)``, resets a slot when its run starts, exports it with
     ``slot_state_dict`` and chooses the slot of every sequence with ``use`` / ``set_slot_ids``.
     """
+
+    kind: Literal["lora"] = "lora"
+    """what a slot is published and checkpointed as (``WeightsReady.kind``)"""
 
     def __init__(
         self,

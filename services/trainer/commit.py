@@ -44,7 +44,7 @@ from services.registry.progress import Progress, write_progress
 from services.telemetry.metrics import record_trainer_step
 from services.trainer.checkpoint import append_step_log, recover_step_log, save_checkpoint
 from services.trainer.intake import Held
-from services.trainer.slots import WeightSlots, weight_kind
+from services.trainer.slots import WeightSlots
 from services.trainer.state import RunState
 from services.trainer.step import RunResult
 from services.weights import WeightPublisher
@@ -90,7 +90,7 @@ class Committer:
     ) -> None:
         self.bus = bus
         self.lora = lora
-        self.kind = weight_kind(lora)
+        self.kind = lora.kind
         """what is published: 'lora' adapters, or the 'full' model of a full-weight trainer"""
         self.mirror = mirror
         self.publisher = publisher

@@ -4,7 +4,7 @@ Two kinds satisfy :class:`WeightSlots`: :class:`~services.model.lora.MultiLoRA`,
 slot per run (the default), and :class:`~services.model.full.FullWeights`, the model's own
 parameters as the single slot of a ``--full-weights`` trainer. Run states, the step and the
 committer are written against this interface; where the two differ (a KL reference, the LoRA
-rank bound, the checkpoint and announcement format) they ask :func:`weight_kind`.
+rank bound, the checkpoint and announcement format) they ask its ``kind``.
 """
 
 from __future__ import annotations
@@ -17,11 +17,15 @@ import torch
 from torch import nn
 
 from schemas.events import WeightKind
-from services.model.full import FullWeights
 
 
 class WeightSlots(Protocol):
     """The per-slot operations of a run's weights."""
+
+    @property
+    def kind(self) -> WeightKind:
+        """``'lora'`` for adapter slots, ``'full'`` for the model's own parameters."""
+        ...
 
     @property
     def target_modules(self) -> tuple[str, ...]: ...
@@ -47,8 +51,3 @@ class WeightSlots(Protocol):
     ) -> None:
         """The inverse of :meth:`slot_state_dict`."""
         ...
-
-
-def weight_kind(slots: WeightSlots) -> WeightKind:
-    """``'full'`` for the model's own parameters, ``'lora'`` for adapter slots."""
-    return "full" if isinstance(slots, FullWeights) else "lora"

@@ -34,7 +34,7 @@ from services.registry.progress import Progress
 from services.trainer.checkpoint import Checkpoint
 from services.trainer.loss import LossParams
 from services.trainer.schedule import build_lr_scheduler
-from services.trainer.slots import WeightSlots, weight_kind
+from services.trainer.slots import WeightSlots
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class RunState:
         cfg = self.config.model.lora
         return Checkpoint(
             step=self.progress.step,
-            kind=weight_kind(lora),
+            kind=lora.kind,
             adapter=lora.slot_state_dict(self.idx),
             rank=cfg.rank,
             alpha=cfg.alpha,
@@ -140,7 +140,7 @@ def create_run_state(
     """Reset slot ``idx`` for ``run_id`` and build its optimizer and schedule, resuming from
     ``checkpoint`` when given. Raises :class:`RunSetupError` when the run cannot be served."""
     cfg = config.model.lora
-    kind = weight_kind(lora)
+    kind = lora.kind
     if kind == "full" and config.loss.kl_coef > 0:
         raise RunSetupError(
             f"loss.kl_coef = {config.loss.kl_coef} asks for a KL penalty against the base model, "

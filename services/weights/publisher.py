@@ -39,7 +39,7 @@ import msgspec
 import nats.errors
 from torch import Tensor
 
-from schemas.events import LoraSpec, WeightsReady
+from schemas.events import LoraSpec, WeightKind, WeightsReady
 from schemas.subjects import weights_object_key, weights_subject
 from services.bus import Bus
 from services.model.peft_io import (
@@ -56,7 +56,6 @@ from services.weights.transport import WeightSender
 log = logging.getLogger(__name__)
 
 PublishTransport = Literal["object_store", "filesystem", "ucx", "collective"]
-PublishKind = Literal["lora", "full"]
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _NO_DIGEST = "sha256:" + "0" * 64
 
@@ -128,7 +127,7 @@ class WeightPublisher:
         lora: LoraSpec,
         base_model_path: str = "",
         *,
-        kind: PublishKind = "lora",
+        kind: WeightKind = "lora",
     ) -> WeightsReady:
         """Store ``state_dict`` as ``run_id``'s weights at ``step``, announce them, return the
         event.

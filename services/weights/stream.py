@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from services.model.lora import preview_keys
 from services.weights.errors import WeightsError
 
 CHUNK_BYTES = 8 << 20
@@ -611,9 +612,8 @@ def check_fits(
             )
 
 
-def _names(names: list[str], shown: int = 5) -> str:
-    listed = ", ".join(repr(n) for n in names[:shown])
-    return listed if len(names) <= shown else f"{listed} (and {len(names) - shown} more)"
+def _names(names: list[str]) -> str:
+    return preview_keys([repr(n) for n in names], limit=5)
 
 
 def _is_count(value: Any) -> bool:
