@@ -26,6 +26,7 @@ one side is piece ``k`` on the other.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import struct
@@ -169,6 +170,59 @@ class LandedPrefix:
             advanced = True
         if advanced:
             self._landed(self._pieces[self._next - 1][1])
+
+
+Piece = tuple[memoryview, Callable[[], None] | None]
+"""A message's bytes, and what to do once it is through (None: nothing)."""
+
+
+def bucket_pieces(
+    views: Sequence[memoryview],
+    bucket_bytes: int,
+    *,
+    sending: bool,
+    landed: Callable[[int], None] | None = None,
+    reuse: bool = False,
+) -> Iterator[Piece]:
+    """The data of ``views`` by :func:`bucket_plan`, one piece per bucket, made as it is asked
+    for. A bucket of one slice is a view of its tensor; a shared bucket is gathered into a
+    buffer before it is sent, and scattered to its tensors once it is received. ``landed``
+    hears the stream-order prefix of bytes in place as buckets finish. ``reuse``: every shared
+    bucket goes through one buffer, for a caller that moves one piece at a time; otherwise each
+    has its own, so several can be in flight."""
+    lengths = [len(v) for v in views]
+    plan = bucket_plan(lengths, bucket_bytes)
+    progress = LandedPrefix(lengths, plan, landed) if landed is not None else None
+    largest = max((_bucket_bytes(b) for b in plan if len(b) > 1), default=0)
+    buffer = memoryview(bytearray(largest)) if reuse else None
+    for k, bucket in enumerate(plan):
+        done = None if progress is None else functools.partial(progress.bucket_done, k)
+        if len(bucket) == 1:
+            i, start, stop = bucket[0]
+            yield views[i][start:stop], done
+            continue
+        nbytes = _bucket_bytes(bucket)
+        piece = buffer[:nbytes] if buffer is not None else memoryview(bytearray(nbytes))
+        if sending:
+            gather(piece, bucket, views)
+            yield piece, done
+        else:
+            yield piece, _then(functools.partial(scatter, piece, bucket, views), done)
+
+
+def _bucket_bytes(bucket: Sequence[tuple[int, int, int]]) -> int:
+    return sum(stop - start for _, start, stop in bucket)
+
+
+def _then(first: Callable[[], None], second: Callable[[], None] | None) -> Callable[[], None]:
+    if second is None:
+        return first
+
+    def both() -> None:
+        first()
+        second()
+
+    return both
 
 
 class EncodedStream:

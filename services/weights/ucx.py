@@ -76,11 +76,9 @@ from services.weights.stream import (
     CHUNK_BYTES,
     MAX_HEADER_BYTES,
     EncodedStream,
-    LandedPrefix,
+    Piece,
     StreamDecoder,
-    bucket_plan,
-    gather,
-    scatter,
+    bucket_pieces,
     split,
 )
 
@@ -397,10 +395,6 @@ class UcxWeightServer:
         await _bounded(ep.send(memoryview(frame), tag=_tag(request_id, 0)), self.stall_timeout)
 
 
-Piece = tuple[memoryview, Callable[[], None] | None]
-"""A message's buffer, and what to do once it is through (None: nothing)."""
-
-
 def _pieces(
     views: Sequence[memoryview],
     chunk_bytes: int,
@@ -410,46 +404,15 @@ def _pieces(
     landed: Callable[[int], None] | None = None,
 ) -> Iterator[Piece]:
     """The data's messages in order, made as they are posted (so only the pieces in flight
-    hold a buffer): by bucket plan when ``buckets``, else as :func:`split` cuts it. A shared
-    bucket is gathered into its buffer before it is sent, and scattered to its tensors once it
-    is received; ``landed`` hears the stream-order prefix of bytes in place."""
-    if not buckets:
-        done = 0
-        for view in split(views, chunk_bytes):
-            done += len(view)
-            yield view, (None if landed is None else functools.partial(landed, done))
+    hold a buffer): by :func:`bucket_pieces` when ``buckets``, else as :func:`split` cuts it;
+    ``landed`` hears the stream-order prefix of bytes in place."""
+    if buckets:
+        yield from bucket_pieces(views, chunk_bytes, sending=sending, landed=landed)
         return
-    lengths = [len(v) for v in views]
-    plan = bucket_plan(lengths, chunk_bytes)
-    progress = LandedPrefix(lengths, plan, landed) if landed is not None else None
-    for k, bucket in enumerate(plan):
-        after: Callable[[], None] | None = None
-        if len(bucket) == 1:
-            i, start, stop = bucket[0]
-            piece = views[i][start:stop]
-        else:
-            piece = memoryview(bytearray(sum(stop - start for _, start, stop in bucket)))
-            if sending:
-                gather(piece, bucket, views)
-            else:
-                after = functools.partial(scatter, piece, bucket, views)
-        yield (
-            piece,
-            _then(after, None if progress is None else functools.partial(progress.bucket_done, k)),
-        )
-
-
-def _then(
-    first: Callable[[], None] | None, second: Callable[[], None] | None
-) -> Callable[[], None] | None:
-    if first is None or second is None:
-        return first or second
-
-    def both() -> None:
-        first()
-        second()
-
-    return both
+    done = 0
+    for view in split(views, chunk_bytes):
+        done += len(view)
+        yield view, (None if landed is None else functools.partial(landed, done))
 
 
 async def _pipeline(

@@ -23,10 +23,8 @@ from services.weights.stream import (  # noqa: F401 (the plan is part of this pr
     COALESCE_BELOW,
     EncodedStream,
     LandedPrefix,
+    bucket_pieces,
     bucket_plan,
-    byte_view,
-    gather,
-    scatter,
 )
 
 DEFAULT_GROUP = "default"
@@ -177,31 +175,18 @@ def _move_buckets(
     ``views`` are the segments' bytes; a receiver passes None to take part without keeping
     anything (a stream it could not decode must still be received, to stay in step).
     ``landed`` hears the bytes in place so far after each bucket (buckets go in stream order)."""
-    plan = bucket_plan(lengths, bucket_bytes)
-    shared = max(
-        (sum(b - a for _, a, b in bucket) for bucket in plan if len(bucket) > 1), default=0
-    )
-    buffer = torch.empty(max(shared, bucket_bytes if views is None else 0), dtype=torch.uint8)
-    staging = byte_view(buffer)
-    progress = LandedPrefix(lengths, plan, landed) if landed is not None else None
-    for k, bucket in enumerate(plan):
-        nbytes = sum(stop - start for _, start, stop in bucket)
-        if views is not None and len(bucket) == 1:
-            i, start, stop = bucket[0]
-            _broadcast(pg, torch.frombuffer(views[i][start:stop], dtype=torch.uint8))
-            if progress is not None:
-                progress.bucket_done(k)
-            continue
-        if views is None:
-            _broadcast(pg, buffer[:nbytes])
-            continue
-        if sending:
-            gather(staging, bucket, views)
-        _broadcast(pg, buffer[:nbytes])
-        if not sending:
-            scatter(staging, bucket, views)
-            if progress is not None:
-                progress.bucket_done(k)
+    if views is None:
+        discard = torch.empty(bucket_bytes, dtype=torch.uint8)
+        for bucket in bucket_plan(lengths, bucket_bytes):
+            _broadcast(pg, discard[: sum(stop - start for _, start, stop in bucket)])
+        return
+    # One piece at a time, so every shared bucket can go through the same buffer.
+    for piece, then in bucket_pieces(
+        views, bucket_bytes, sending=sending, landed=landed, reuse=True
+    ):
+        _broadcast(pg, torch.frombuffer(piece, dtype=torch.uint8))
+        if then is not None:
+            then()
 
 
 def _send_stream(pg: Any, run_id: str, step: int, stream: EncodedStream, bucket_bytes: int) -> None:
