@@ -99,12 +99,8 @@ async def load_weights(
     if event.transport == "object_store":
         try:
             data, digest = await read_blob(bus, event.location, expected_size=event.size_bytes)
-        except (BlobError, ValueError) as exc:
-            raise WeightsError(f"{where}: {exc}") from exc
-        except nats.errors.Error as exc:
-            raise WeightsError(
-                f"{where}: reading {event.location!r} failed: {type(exc).__name__}: {exc}"
-            ) from exc
+        except (BlobError, ValueError, nats.errors.Error) as exc:
+            raise _read_failed(where, event, exc) from exc
     else:
         data = await asyncio.to_thread(_read_broadcast_file, where, event, output_dir)
         # Off the event loop: hashing a large adapter takes tens of milliseconds.
@@ -135,14 +131,22 @@ async def _stream_object(bus: Bus, event: WeightsReady, decoder: StreamDecoder) 
         )
     except BaseException as exc:
         decoder.abandon()
-        if isinstance(exc, BlobError | ValueError):
-            raise WeightsError(f"{where}: {exc}", touched=decoder.touched) from exc
-        if isinstance(exc, nats.errors.Error):
-            raise WeightsError(
-                f"{where}: reading {event.location!r} failed: {type(exc).__name__}: {exc}",
-                touched=decoder.touched,
-            ) from exc
+        if isinstance(exc, BlobError | ValueError | nats.errors.Error):
+            raise _read_failed(where, event, exc, touched=decoder.touched) from exc
         raise
+
+
+def _read_failed(
+    where: str, event: WeightsReady, exc: Exception, *, touched: bool = False
+) -> WeightsError:
+    """What a failed object-store read is reported as: the store's own words for a missing,
+    replaced or short object, the client's error for a connection that failed."""
+    if isinstance(exc, nats.errors.Error):
+        return WeightsError(
+            f"{where}: reading {event.location!r} failed: {type(exc).__name__}: {exc}",
+            touched=touched,
+        )
+    return WeightsError(f"{where}: {exc}", touched=touched)
 
 
 def _read_file_into(event: WeightsReady, output_dir: Path | None, decoder: StreamDecoder) -> None:
