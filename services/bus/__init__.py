@@ -3,6 +3,7 @@
 from services.bus.bus import Bus, errors_subject
 from services.bus.consumer import Consumer, Delivery
 from services.bus.errors import BusUnavailable, PayloadTooLarge, Reject, Retry
+from services.bus.follower import Follower, MessageMeta, Start
 from services.bus.provision import KV_BUCKETS, OBJECT_STORE, STREAMS, provision
 from services.bus.server import EmbeddedNats, NatsServerError, find_nats_server, free_port
 from services.bus.shutdown import stop_on_signals
@@ -17,10 +18,13 @@ __all__ = [
     "Consumer",
     "Delivery",
     "EmbeddedNats",
+    "Follower",
+    "MessageMeta",
     "NatsServerError",
     "PayloadTooLarge",
     "Reject",
     "Retry",
+    "Start",
     "errors_subject",
     "find_nats_server",
     "free_port",

@@ -1,14 +1,13 @@
 """A run's lifecycle as its orchestrator sees it: admission by the registry, then eviction.
 
-:class:`RunWatch` replays stream ``PLEXRL_RUNS`` from its first message with an ordered
-(ephemeral, unacknowledged) consumer and keeps every lifecycle event about one run id, then
+:class:`RunWatch` replays stream ``PLEXRL_RUNS`` from its first message with a
+:class:`~services.bus.Follower` and keeps every lifecycle event about one run id, then
 follows the stream for as long as the orchestrator lives. The replay is what lets a restarted
 orchestrator tell "never heard of" from "discovered long ago" from "evicted yesterday".
 
 :func:`admit` gets the run accepted:
 
-1. it reads the run's record in KV ``plexrl-registry`` (DESIGN.md: ``{idx, status, config
-   digest}``, plain JSON);
+1. it reads the run's :class:`~schemas.records.RunRecord` in KV ``plexrl-registry``;
 2. an evicted run stays evicted (:class:`RunRemoved`); a run the registry holds (active or
    waiting) with another config is refused (:class:`RunRejected`): the registry would keep its
    own config and the orchestrator would train something else than it was told;
@@ -26,17 +25,14 @@ batches and checkpoint from those a deleted and recreated run of the same id lef
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
 from nats.aio.msg import Msg
-from nats.js import api
-from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from schemas import subjects as sj
 from schemas.codec import DecodeError, decode
@@ -49,7 +45,9 @@ from schemas.events import (
     RunSubmitted,
     ServiceError,
 )
-from services.bus import Bus
+from schemas.records import HOLDING_STATUSES
+from services.bus import Bus, Follower, MessageMeta
+from services.runs.table import read_record
 
 log = logging.getLogger(__name__)
 
@@ -101,65 +99,39 @@ class RunWatch:
         self.bus = bus
         self.run_id = run_id
         self.entries: list[LifecycleEntry] = []
-        self.seen_seq = 0
-        self._changed = asyncio.Condition()
-        self._sub: Any = None
+        # The whole runs wildcard rather than the four lifecycle subjects: then the stream's
+        # last sequence is one this follower is sure to reach.
+        self._follower: Follower[Lifecycle] = Follower(
+            bus,
+            sj.RUNS_STREAM,
+            sj.RUNS_WILDCARD,
+            Lifecycle,
+            self._on_event,
+            decode_subjects=_SUBJECTS,
+        )
+
+    @property
+    def seen_seq(self) -> int:
+        return self._follower.seq
 
     async def start(self, timeout: float = 30.0) -> None:
         """Subscribe and wait until everything the stream held at this call has been seen."""
-        if self._sub is None:
-            # The whole runs wildcard rather than the four lifecycle subjects: then the stream's
-            # last sequence is one this consumer is sure to reach.
-            self._sub = await self.bus.js.subscribe(
-                sj.RUNS_WILDCARD,
-                stream=sj.RUNS_STREAM,
-                cb=self._on_msg,
-                ordered_consumer=True,
-                deliver_policy=api.DeliverPolicy.ALL,
-            )
-        last = (await self.bus.js.stream_info(sj.RUNS_STREAM)).state.last_seq
+        await self._follower.start()
         try:
-            await asyncio.wait_for(self.wait(lambda: self.seen_seq >= last), timeout)
-        except TimeoutError:
-            raise TimeoutError(
-                f"replaying {sj.RUNS_STREAM} stalled at sequence {self.seen_seq} of {last}"
-            ) from None
+            await self._follower.wait_until_caught_up(timeout)
+        except TimeoutError as exc:
+            raise TimeoutError(f"replaying {sj.RUNS_STREAM}: {exc}") from None
 
     async def stop(self) -> None:
-        sub, self._sub = self._sub, None
-        if sub is not None and not self.bus.nc.is_closed:
-            try:
-                await sub.unsubscribe()
-            except Exception as exc:  # the connection may be closing under us
-                log.debug("run watch: unsubscribe failed: %s", exc)
+        await self._follower.stop()
 
-    async def _on_msg(self, msg: Msg) -> None:
-        md = msg.metadata
-        seq = md.sequence.stream
-        if seq <= self.seen_seq:
-            return  # an ordered consumer that resets may deliver a message again
-        if msg.subject in _SUBJECTS:
-            try:
-                event: Lifecycle = decode(
-                    msg.data, Lifecycle, (msg.headers or {}).get("Content-Type")
-                )
-            except DecodeError as exc:
-                log.warning("run watch: undecodable event on %s: %s", msg.subject, exc)
-            else:
-                if event.run_id == self.run_id:
-                    self.entries.append(LifecycleEntry(seq, md.timestamp, event))
-        async with self._changed:
-            self.seen_seq = seq
-            self._changed.notify_all()
+    def _on_event(self, seq: int, event: Lifecycle, meta: MessageMeta) -> None:
+        if event.run_id == self.run_id:
+            self.entries.append(LifecycleEntry(seq, meta.time, event))
 
-    async def wait(self, predicate: Any, timeout: float | None = None) -> bool:
+    async def wait(self, predicate: Callable[[], bool], timeout: float | None = None) -> bool:
         """Wait until ``predicate()`` holds (re-checked after each message); False on timeout."""
-        async with self._changed:
-            try:
-                await asyncio.wait_for(self._changed.wait_for(predicate), timeout)
-            except TimeoutError:
-                return False
-        return True
+        return await self._follower.wait(predicate, timeout)
 
     async def wait_past(self, seq: int, timeout: float) -> bool:
         """Wait until a message after stream sequence ``seq`` arrives; False on timeout."""
@@ -189,19 +161,6 @@ class RunWatch:
         return start
 
 
-async def read_registry_record(bus: Bus, run_id: str) -> dict[str, Any] | None:
-    """The run's record in KV ``plexrl-registry`` as plain JSON, or None if it has none."""
-    kv = await bus.js.key_value(sj.KV_REGISTRY)
-    try:
-        entry = await kv.get(run_id)
-    except (KeyNotFoundError, KeyDeletedError):
-        return None
-    if not entry.value:
-        return None
-    doc = json.loads(entry.value)
-    return doc if isinstance(doc, dict) else None
-
-
 async def admit(
     bus: Bus,
     watch: RunWatch,
@@ -217,12 +176,12 @@ async def admit(
     Returns None if ``stop`` is set first. See the module docstring for the rules.
     """
     run_id, digest = watch.run_id, config.digest()
-    record = await read_registry_record(bus, run_id)
-    status = (record or {}).get("status")
-    if status == "evicted":
-        raise RunRemoved(run_id, str((record or {}).get("reason") or "evicted earlier"))
-    held_digest = str((record or {}).get("config_digest") or "")
-    if status in ("active", "waiting") and held_digest and held_digest != digest:
+    record = await read_record(bus, run_id)
+    status = record.status if record else None
+    if record is not None and record.status == "evicted":
+        raise RunRemoved(run_id, record.reason or "evicted earlier")
+    held_digest = record.config_digest if record else ""
+    if status in HOLDING_STATUSES and held_digest and held_digest != digest:
         raise RunRejected(
             f"{run_id} already exists with a different config (registry: {held_digest}, "
             f"given: {digest}); evict it or choose another run id"
@@ -243,7 +202,7 @@ async def admit(
 
     error_sub = await bus.nc.subscribe(sj.errors_subject(registry_service), cb=on_error)
     try:
-        if status not in ("active", "waiting"):
+        if status not in HOLDING_STATUSES:
             event = RunSubmitted(run_id=run_id, config=config.to_dict(), submitted_by=submitted_by)
             await bus.publish(sj.SUBMIT, event, msg_id=f"{run_id}/submit/{uuid.uuid4().hex}")
             log.info("%s: submitted to the registry (config %s)", run_id, digest)
@@ -266,11 +225,11 @@ async def admit(
             if errors:
                 raise RunRejected(f"the registry refused {run_id}: {errors[0].error}")
             if time.monotonic() >= next_report:
-                now = await read_registry_record(bus, run_id)
+                now = await read_record(bus, run_id)
                 log.info(
                     "%s: waiting to be discovered (registry status: %s)",
                     run_id,
-                    (now or {}).get("status", "no record; is a registry running?"),
+                    now.status if now else "no record; is a registry running?",
                 )
                 next_report = time.monotonic() + report_every
             await watch.wait_past(watch.seen_seq, timeout=0.25)

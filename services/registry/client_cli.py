@@ -18,19 +18,11 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from services.config.loader import DEFAULT_NATS_URL
-
-
-def _nats_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--nats-url",
-        default=None,
-        help=f"NATS server (env PLEXRL_NATS_URL, default {DEFAULT_NATS_URL})",
-    )
+from services.config import add_common_args
 
 
 def register(subparsers: Any) -> None:
@@ -48,8 +40,8 @@ def register(subparsers: Any) -> None:
         metavar="SECONDS",
         help="wait up to SECONDS for the registry to accept or reject the run",
     )
-    _nats_arg(submit)
-    submit.set_defaults(func=lambda args: _run(args, _submit))
+    add_common_args(submit, config=False)
+    submit.set_defaults(func=_submit)
 
     evict = subparsers.add_parser(
         "evict",
@@ -58,8 +50,8 @@ def register(subparsers: Any) -> None:
     )
     evict.add_argument("run_id", metavar="RUN_ID")
     evict.add_argument("--reason", required=True, help="why (written to control/evicted.txt)")
-    _nats_arg(evict)
-    evict.set_defaults(func=lambda args: _run(args, _evict))
+    add_common_args(evict, config=False)
+    evict.set_defaults(func=_evict)
 
     runs = subparsers.add_parser(
         "runs",
@@ -68,40 +60,27 @@ def register(subparsers: Any) -> None:
     )
     runs.add_argument("--all", action="store_true", help="include forgotten runs")
     runs.add_argument("--json", action="store_true", help="one JSON object per line")
-    _nats_arg(runs)
-    runs.set_defaults(func=lambda args: _run(args, _runs))
+    add_common_args(runs, config=False)
+    runs.set_defaults(func=lambda args: _connected(args, lambda bus: _runs(bus, args)))
 
 
-def _run(
-    args: argparse.Namespace, command: Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
-) -> int:
-    import logging
+def _connected(args: argparse.Namespace, body: Callable[[Any], Awaitable[int]]) -> int:
+    """``body(bus)`` on a connection to ``--nats-url``; status 1 when nothing listens there."""
+    from services.config import SettingsError, nats_url
+    from services.launch import fail, run_client
 
-    from services.bus import BusUnavailable
-
-    # a short-lived client: the bus's "disconnected, reconnecting" notice at close is noise here
-    logging.getLogger("services.bus.bus").setLevel(logging.ERROR)
     try:
-        return asyncio.run(command(args))
-    except BusUnavailable as exc:
-        print(f"plexrl {args.command}: {exc}", file=sys.stderr)
-        return 1
-
-
-async def _connect(args: argparse.Namespace) -> Any:
-    from services.bus import Bus
-    from services.config.loader import nats_url
-
-    return await Bus.connect(nats_url(args), "cli")
+        url = nats_url(args)
+    except SettingsError as exc:
+        return fail(args.command, exc)
+    return run_client(args.command, body, nats_url=url)
 
 
 # --- submit -----------------------------------------------------------------------------------
 
 
-async def _submit(args: argparse.Namespace) -> int:
-    from schemas import subjects as sj
+def _submit(args: argparse.Namespace) -> int:
     from schemas.config import ConfigError, load_orch_config
-    from schemas.events import RunSubmitted
     from schemas.run_id import InvalidRunId, validate_run_id
 
     try:
@@ -110,27 +89,30 @@ async def _submit(args: argparse.Namespace) -> int:
     except (InvalidRunId, ConfigError) as exc:
         print(f"plexrl submit: {exc}", file=sys.stderr)
         return 2
+    return _connected(args, lambda bus: _publish_submit(bus, run_id, config, args.wait))
+
+
+async def _publish_submit(bus: Any, run_id: str, config: Any, wait: float) -> int:
+    from schemas import subjects as sj
+    from schemas.events import RunSubmitted
+
     digest = config.digest()
-    bus = await _connect(args)
-    try:
-        answers: asyncio.Queue[Any] = asyncio.Queue()
-        subs = []
-        if args.wait > 0:  # subscribe before publishing, so no answer can slip past
-            for subject in (sj.INVALID, "plexrl.errors.>"):
-                subs.append(await bus.nc.subscribe(subject, cb=answers.put))
-        event = RunSubmitted(
-            run_id=run_id,
-            config=config.to_dict(),
-            submitted_by=f"plexrl submit ({getpass.getuser()}@{socket.gethostname()})",
-        )
-        ack = await bus.publish(sj.SUBMIT, event, msg_id=f"{run_id}/submit/{uuid.uuid4().hex}")
-        print(f"submitted {run_id} (config {digest}, stream sequence {ack.seq})")
-        if args.wait > 0:
-            return await _await_answer(bus, run_id, digest, answers, args.wait)
-        print("follow it with `plexrl runs`")
-        return 0
-    finally:
-        await bus.close()
+    answers: asyncio.Queue[Any] = asyncio.Queue()
+    subs = []
+    if wait > 0:  # subscribe before publishing, so no answer can slip past
+        for subject in (sj.INVALID, "plexrl.errors.>"):
+            subs.append(await bus.nc.subscribe(subject, cb=answers.put))
+    event = RunSubmitted(
+        run_id=run_id,
+        config=config.to_dict(),
+        submitted_by=f"plexrl submit ({getpass.getuser()}@{socket.gethostname()})",
+    )
+    ack = await bus.publish(sj.SUBMIT, event, msg_id=f"{run_id}/submit/{uuid.uuid4().hex}")
+    print(f"submitted {run_id} (config {digest}, stream sequence {ack.seq})")
+    if wait > 0:
+        return await _await_answer(bus, run_id, digest, answers, wait)
+    print("follow it with `plexrl runs`")
+    return 0
 
 
 async def _await_answer(
@@ -140,7 +122,7 @@ async def _await_answer(
     from schemas.codec import DecodeError, decode
     from schemas.events import RunConfigInvalid, ServiceError
     from schemas.subjects import KV_REGISTRY
-    from services.registry.table import decode_record
+    from services.runs.table import decode_record
 
     kv = await bus.js.key_value(KV_REGISTRY)
     deadline = time.monotonic() + wait
@@ -174,27 +156,26 @@ async def _await_answer(
 # --- evict ------------------------------------------------------------------------------------
 
 
-async def _evict(args: argparse.Namespace) -> int:
-    from schemas import subjects as sj
-    from schemas.events import EvictRequested
+def _evict(args: argparse.Namespace) -> int:
     from schemas.run_id import InvalidRunId, validate_run_id
-    from services.registry.table import read_table
 
     try:
         run_id = validate_run_id(args.run_id)
     except InvalidRunId as exc:
         print(f"plexrl evict: {exc}", file=sys.stderr)
         return 2
-    bus = await _connect(args)
-    try:
-        records = await read_table(await bus.js.key_value(sj.KV_REGISTRY))
-        event = EvictRequested(
-            run_id=run_id, reason=args.reason[:16000], requested_by="plexrl evict"
-        )
-        await bus.publish(sj.EVICT, event, msg_id=f"{run_id}/evict/{uuid.uuid4().hex}")
-    finally:
-        await bus.close()
-    print(f"asked the registry to evict {run_id}: {args.reason}")
+    return _connected(args, lambda bus: _publish_evict(bus, run_id, args.reason))
+
+
+async def _publish_evict(bus: Any, run_id: str, reason: str) -> int:
+    from schemas import subjects as sj
+    from schemas.events import EvictRequested
+    from services.runs.table import read_table
+
+    records = await read_table(await bus.js.key_value(sj.KV_REGISTRY))
+    event = EvictRequested(run_id=run_id, reason=reason[:16000], requested_by="plexrl evict")
+    await bus.publish(sj.EVICT, event, msg_id=f"{run_id}/evict/{uuid.uuid4().hex}")
+    print(f"asked the registry to evict {run_id}: {reason}")
     record = records.get(run_id)
     if record is None or record.status in ("evicted", "forgotten"):
         # sent anyway: the registry may find the directory the table does not list yet
@@ -208,35 +189,29 @@ async def _evict(args: argparse.Namespace) -> int:
 _ORDER = {"active": 0, "waiting": 1, "invalid": 2, "evicted": 3, "forgotten": 4}
 
 
-async def _runs(args: argparse.Namespace) -> int:
+async def _runs(bus: Any, args: argparse.Namespace) -> int:
     from schemas.subjects import KV_REGISTRY
-    from services.registry.progress import read_progress
-    from services.registry.table import read_table
+    from services.runs.progress import read_progress
+    from services.runs.table import read_table
 
-    bus = await _connect(args)
-    try:
-        records = await read_table(await bus.js.key_value(KV_REGISTRY))
-        shown = [r for r in records.values() if args.all or r.status != "forgotten"]
-        shown.sort(
-            key=lambda r: (_ORDER.get(r.status, 9), -1 if r.idx is None else r.idx, r.run_id)
+    records = await read_table(await bus.js.key_value(KV_REGISTRY))
+    shown = [r for r in records.values() if args.all or r.status != "forgotten"]
+    shown.sort(key=lambda r: (_ORDER.get(r.status, 9), -1 if r.idx is None else r.idx, r.run_id))
+    rows = []
+    for rec in shown:
+        progress = await read_progress(bus, rec.run_id)
+        rows.append(
+            {
+                "run_id": rec.run_id,
+                "idx": rec.idx,
+                "status": rec.status,
+                "step": progress.step if progress else None,
+                "total_tokens": progress.total_tokens if progress else None,
+                "total_samples": progress.total_samples if progress else None,
+                "reward_mean": progress.reward_mean if progress else None,
+                "detail": rec.error or rec.reason,
+            }
         )
-        rows = []
-        for rec in shown:
-            progress = await read_progress(bus, rec.run_id)
-            rows.append(
-                {
-                    "run_id": rec.run_id,
-                    "idx": rec.idx,
-                    "status": rec.status,
-                    "step": progress.step if progress else None,
-                    "total_tokens": progress.total_tokens if progress else None,
-                    "total_samples": progress.total_samples if progress else None,
-                    "reward_mean": progress.reward_mean if progress else None,
-                    "detail": rec.error or rec.reason,
-                }
-            )
-    finally:
-        await bus.close()
     if args.json:
         for row in rows:
             print(json.dumps(row))

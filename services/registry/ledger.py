@@ -13,26 +13,24 @@ change. Several records committed together go through each step as one batch of 
 requests, so discovering a thousand runs costs three rounds of writes, not three thousand
 sequential round trips.
 
-``PLEXRL_REGISTRY_CRASH_AFTER=<point>[:<status>][@<run_id>]`` (points: ``orch_toml``,
-``error_txt``, ``evicted_txt``, ``kv``, ``publish``; ``kv`` and ``publish`` may name the status
-just written) makes the process exit with status 137 right after that step, as SIGKILL would:
-that is how the tests kill the registry between a write and a publish.
+``PLEXRL_FAULT=registry.<point>[@<run_id>][:<status>]`` (points: ``orch_toml``, ``error_txt``,
+``evicted_txt``, ``kv``, ``publish``; ``kv`` and ``publish`` may name the status just written;
+see :mod:`services.launch.faults`) makes the process exit with status 137 right after that step,
+as SIGKILL would: that is how the tests kill the registry between a write and a publish.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 
 from schemas.subjects import KV_REGISTRY
 from services.bus import Bus
+from services.launch.faults import crash_point
 from services.registry.pool import IndexPool, PoolError
 from services.registry.table import RunRecord, RunTable
 
 log = logging.getLogger(__name__)
-
-CRASH_ENV = "PLEXRL_REGISTRY_CRASH_AFTER"
 
 # Releases go out before discoveries, so a mirror sees an index freed before it is reused.
 _PUBLISH_ORDER = {"evicted": 0, "forgotten": 0, "invalid": 1, "active": 2}
@@ -40,18 +38,6 @@ _PUBLISH_ORDER = {"evicted": 0, "forgotten": 0, "invalid": 1, "active": 2}
 
 class RegistryError(RuntimeError):
     """The persisted table cannot be served with these settings; the message says what to do."""
-
-
-def crash_point(point: str, run_id: str, status: str = "") -> None:
-    """Exit at once, as SIGKILL would, if ``PLEXRL_REGISTRY_CRASH_AFTER`` names this point."""
-    spec = os.environ.get(CRASH_ENV)
-    if not spec:
-        return
-    name, _, target = spec.partition("@")
-    if name in (point, f"{point}:{status}") and target in ("", run_id):
-        log.critical("%s=%s: exiting at %s for %s", CRASH_ENV, spec, point, run_id)
-        logging.shutdown()
-        os._exit(137)
 
 
 class Ledger:
@@ -111,7 +97,7 @@ class Ledger:
             return
         await asyncio.gather(*(self.save(r) for r in recs))
         for r in recs:
-            crash_point("kv", r.run_id, r.status)
+            crash_point("registry.kv", r.run_id, r.status)
         await self._publish(list(recs))
 
     async def _publish(self, recs: list[RunRecord]) -> None:
@@ -120,7 +106,7 @@ class Ledger:
         # runs, distinct indices), and a release always goes in an earlier batch than a reuse.
         await asyncio.gather(*(self.bus.publish(s, ev, msg_id=mid) for _, (s, mid, ev) in owed))
         for r, (_, mid, _) in owed:
-            crash_point("publish", r.run_id, r.status)
+            crash_point("registry.publish", r.run_id, r.status)
             r.last_published = mid
         await asyncio.gather(*(self.save(r) for r, _ in owed))
 

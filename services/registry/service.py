@@ -26,12 +26,13 @@ import msgspec
 from schemas import subjects as sj
 from schemas.config import dump_toml
 from schemas.events import EvictRequested, RunConfigInvalid, RunSubmitted
+from schemas.records import RunRecord, RunStatus
 from services.bus import Bus, Consumer, Delivery
+from services.launch.faults import crash_point
 from services.registry import discovery as fs
-from services.registry.ledger import Ledger, RegistryError, crash_point
+from services.registry.ledger import Ledger, RegistryError
 from services.registry.pool import IndexPool
 from services.registry.settings import RegistrySettings
-from services.registry.table import RunRecord, Status
 from services.registry.validation import Validator, Verdict, file_digest, make_validator
 
 __all__ = ["Registry", "RegistryError"]
@@ -39,7 +40,7 @@ __all__ = ["Registry", "RegistryError"]
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_HOLDING: tuple[Status, ...] = ("active", "waiting", "invalid")
+_HOLDING: tuple[RunStatus, ...] = ("active", "waiting", "invalid")
 
 
 class Registry:
@@ -274,7 +275,7 @@ class Registry:
             return  # nothing new to say
         run_id = base.run_id
         await asyncio.to_thread(fs.write_validation_error, self.output_dir, run_id, error)
-        crash_point("error_txt", run_id)
+        crash_point("registry.error_txt", run_id)
         if live is not None and live.status == "waiting":
             self.pool.dequeue(run_id)
         log.info("registry: %s is invalid: %s", run_id, error)
@@ -292,7 +293,7 @@ class Registry:
         run_id = rec.run_id
         if not (fs.control_dir(self.output_dir, run_id) / fs.EVICTED).exists():
             await asyncio.to_thread(fs.write_evicted, self.output_dir, run_id, reason)
-        crash_point("evicted_txt", run_id)
+        crash_point("registry.evicted_txt", run_id)
         released = self.pool.release(run_id)
         self.pool.dequeue(run_id)
         by = f" (requested by {requested_by})" if requested_by else ""
@@ -355,7 +356,7 @@ class Registry:
         if existing is None or not existing.ok:
             text = dump_toml(verdict.config.to_dict())
             await asyncio.to_thread(fs.write_config, self.output_dir, run_id, text)
-            crash_point("orch_toml", run_id)
+            crash_point("registry.orch_toml", run_id)
         state = fs.inspect_run_dir(self.output_dir, run_id)
         if state is not None:
             await self._reconcile(state, submit_seq=seq or 1)

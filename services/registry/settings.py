@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -51,14 +50,6 @@ class RegistrySettings(BaseModel):
     service: str = Field(
         "registry", description="service name: errors go to plexrl.errors.<service>"
     )
-
-    @field_validator("validation_hooks", mode="before")
-    @classmethod
-    def _split_hooks(cls, v: Any) -> Any:
-        # PLEXRL_VALIDATION_HOOKS arrives as one string
-        if isinstance(v, str):
-            return [h for h in re.split(r"[,\s]+", v) if h]
-        return v
 
     @field_validator("validation_hooks")
     @classmethod

@@ -98,8 +98,8 @@ def known_env_hook(config: OrchConfig) -> tuple[bool, str]:
     packages): importing it could pull in heavy dependencies or run arbitrary code inside the
     registry.
     """
-    # The orchestrator owns the environments; its envs package imports nothing heavy.
-    from services.orchestrator.envs import BUILTIN_ENVS
+    # The shared environments library imports nothing heavy.
+    from services.envs import BUILTIN_ENVS
 
     spec = config.env
     if spec in BUILTIN_ENVS:

@@ -27,19 +27,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from nats.js.errors import KeyDeletedError, KeyNotFoundError
-from nats.js.kv import KeyValue
-
 from schemas.events import RolloutBatch
-from schemas.subjects import KV_REGISTRY, run_id_from_subject
+from schemas.records import GONE_STATUSES, RunStatus
+from schemas.subjects import run_id_from_subject
 from services.bus import Bus, Consumer, Delivery
+from services.runs.table import read_record
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +45,6 @@ FETCH_TIMEOUT = 0.25
 """seconds one fetch waits for batches (and how long its pull request lingers on the server)"""
 
 Place = Literal["done", "uncommitted", "train", "wait"]
-_GONE_STATUSES = frozenset({"evicted", "forgotten", "invalid"})
 
 
 def place(step: int, next_step: int, committed_step: int) -> Place:
@@ -62,8 +59,8 @@ def place(step: int, next_step: int, committed_step: int) -> Place:
 
 
 @dataclass(frozen=True)
-class RunView:
-    """What the intake needs to know of a run the trainer holds."""
+class RunSteps:
+    """Where a run the trainer holds stands: what the intake needs to place its batches."""
 
     next_step: int
     committed_step: int
@@ -108,8 +105,7 @@ class Intake:
         """redelivered batches of checkpointed steps, acked and skipped"""
         self.num_dropped = 0
         """batches of evicted or forgotten runs, acked and dropped"""
-        self._registry: KeyValue | None = None
-        self._status_cache: dict[str, tuple[float, str | None]] = {}
+        self._status_cache: dict[str, tuple[float, RunStatus | None]] = {}
 
     # --- feeding -------------------------------------------------------------------------------
 
@@ -172,7 +168,7 @@ class Intake:
 
     # --- deciding ------------------------------------------------------------------------------
 
-    async def select(self, runs: Mapping[str, RunView], skip: Collection[str] = ()) -> Selection:
+    async def select(self, runs: Mapping[str, RunSteps], skip: Collection[str] = ()) -> Selection:
         """Take every trainable batch out of the table; settle what is done or gone.
 
         Runs in ``skip`` (already given a batch this step) are left as they are.
@@ -203,7 +199,7 @@ class Intake:
                 self.pending.pop(run_id, None)
         return out
 
-    def has_trainable(self, runs: Mapping[str, RunView]) -> bool:
+    def has_trainable(self, runs: Mapping[str, RunSteps]) -> bool:
         """Whether :meth:`select` would return a batch to train right now."""
         for run_id, steps in self.pending.items():
             view = runs.get(run_id)
@@ -212,7 +208,7 @@ class Intake:
         return False
 
     async def _unknown(self, run_id: str, steps: dict[int, Held], now: float) -> None:
-        if run_id in self.removed or await self._registry_status(run_id) in _GONE_STATUSES:
+        if run_id in self.removed or await self._registry_status(run_id) in GONE_STATUSES:
             await self._drop(run_id, steps)
             return
         for step in [s for s, h in steps.items() if now - h.first_seen >= self.unknown_run_hold]:
@@ -228,20 +224,15 @@ class Intake:
             log.info("trainer: dropped %d batches of %s (evicted or gone)", len(steps), run_id)
         steps.clear()
 
-    async def _registry_status(self, run_id: str) -> str | None:
+    async def _registry_status(self, run_id: str) -> RunStatus | None:
         """The run's status in the registry's table (cached a second), None if it has none."""
         cached = self._status_cache.get(run_id)
         if cached is not None and time.monotonic() - cached[0] < 1.0:
             return cached[1]
-        status: str | None = None
+        status: RunStatus | None = None
         try:
-            if self._registry is None:
-                self._registry = await self.bus.js.key_value(KV_REGISTRY)
-            entry = await self._registry.get(run_id)
-            if entry.value:
-                status = json.loads(entry.value).get("status")
-        except (KeyNotFoundError, KeyDeletedError):
-            status = None
+            record = await read_record(self.bus, run_id)
+            status = record.status if record else None
         except Exception as exc:  # no table yet, or unreadable: treat the run as not known yet
             log.debug("trainer: registry status of %s unavailable: %s", run_id, exc)
         self._status_cache[run_id] = (time.monotonic(), status)

@@ -10,10 +10,11 @@ from typing import Any, TypeVar
 
 from schemas.codec import decode
 from schemas.events import InvalidMessage, ServiceError
+from schemas.records import RunRecord
 from schemas.subjects import ERRORS_STREAM, KV_REGISTRY, RUNS_STREAM
 from services.bus import Bus
 from services.registry.service import Registry
-from services.registry.table import RunRecord, read_table
+from services.runs.table import read_table
 
 T = TypeVar("T")
 

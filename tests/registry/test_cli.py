@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from schemas.records import Progress
 from services.bus import Bus, EmbeddedNats, free_port
 from services.cli import main
-from services.registry.progress import Progress, write_progress
+from services.runs.progress import write_progress
 
 from .conftest import RegistryFactory
 from .helpers import VALID_TOML, eventually, table

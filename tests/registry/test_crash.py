@@ -1,7 +1,7 @@
 """The registry killed between writing a file (or its KV record) and publishing, then restarted.
 
 Each case runs ``python -m services registry`` as a real process with
-``PLEXRL_REGISTRY_CRASH_AFTER`` set, so it exits with status 137 (as after SIGKILL) right after
+``PLEXRL_FAULT`` set, so it exits with status 137 (as after SIGKILL) right after
 the chosen step, restarts it without the variable, and checks convergence: every run announced
 exactly once on the stream, no index ever held by two runs, the table and the files agreeing.
 """
@@ -42,7 +42,7 @@ class RegistryProcess:
     ) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PLEXRL_")}
         if crash:
-            env["PLEXRL_REGISTRY_CRASH_AFTER"] = crash
+            env["PLEXRL_FAULT"] = f"registry.{crash}"
         cmd = [sys.executable, "-m", "services", "registry", "--nats-url", url]
         cmd += ["--output-dir", str(out), "--max-runs", "2"]
         cmd += ["--scan-interval", str(scan_interval)]
@@ -97,16 +97,16 @@ async def _assert_crashed_where_asked(bus: Bus, out: Path, crash: str) -> None:
     records = await table(bus)
     discovered = dict(await _counts(bus, sj.DISCOVERED, RunDiscovered))
     evicted = dict(await _counts(bus, sj.EVICTED, RunEvicted))
-    control = out / crash.split("@")[1] / "control"
+    control = out / crash.split("@")[1].split(":")[0] / "control"
     match crash:
         case "orch_toml@run_s":
             assert (control / "orch.toml").exists() and "run_s" not in records
             assert discovered == {}
-        case "kv:active@run_b":  # one batch: both records written, nothing published yet
+        case "kv@run_b:active":  # one batch: both records written, nothing published yet
             assert (records["run_b"].status, records["run_b"].idx) == ("active", 1)
             assert records["run_a"].owes_event and records["run_b"].owes_event
             assert discovered == {}
-        case "publish:active@run_a":  # both published, neither marked
+        case "publish@run_a:active":  # both published, neither marked
             assert records["run_a"].owes_event and records["run_b"].owes_event
             assert discovered == {"run_a": 1, "run_b": 1}
         case "error_txt@run_bad":
@@ -115,10 +115,10 @@ async def _assert_crashed_where_asked(bus: Bus, out: Path, crash: str) -> None:
         case "evicted_txt@run_a":
             assert (control / "evicted.txt").exists() and records["run_a"].status == "active"
             assert evicted == {}
-        case "kv:evicted@run_a":
+        case "kv@run_a:evicted":
             assert records["run_a"].status == "evicted" and records["run_a"].owes_event
             assert evicted == {}
-        case "kv:active@run_c":
+        case "kv@run_c:active":
             assert (records["run_c"].status, records["run_c"].idx) == ("active", 0)
             assert evicted == {"run_a": 1} and "run_c" not in discovered
         case _:
@@ -129,12 +129,12 @@ async def _assert_crashed_where_asked(bus: Bus, out: Path, crash: str) -> None:
 # config, or evict a running run
 CASES = {
     "orch_toml@run_s": "submit",
-    "kv:active@run_b": "scan",
-    "publish:active@run_a": "scan",
+    "kv@run_b:active": "scan",
+    "publish@run_a:active": "scan",
     "error_txt@run_bad": "invalid",
     "evicted_txt@run_a": "evict",
-    "kv:evicted@run_a": "evict",
-    "kv:active@run_c": "evict",
+    "kv@run_a:evicted": "evict",
+    "kv@run_c:active": "evict",
 }
 
 

@@ -29,12 +29,20 @@ async def main(url: str, out: Path) -> None:
     import torch.distributed as dist
 
     from services.bus import Bus
-    from services.registry.mirror import RunMirror
+    from services.runs import RunMirror
 
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
     bus = await Bus.connect(url, f"rank{rank}", provision_streams=False)
-    mirror = RunMirror(bus, max_runs=4, service=f"trainer-rank{rank}")
+
+    def broadcast(seq: int) -> int:
+        box: list[Any] = [seq if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return int(box[0])
+
+    mirror = RunMirror(
+        bus, max_runs=4, service=f"trainer-rank{rank}", broadcast=broadcast, main=rank == 0
+    )
     log: list[list[Any]] = []
     mirror.register_deletion_hook(lambda i, r: log.append(["deletion", i, r]))
     mirror.register_creation_hook(lambda i, r: log.append(["creation", i, r]))

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
 from schemas import subjects as sj
+from schemas.codec import decode
 from schemas.config import OrchConfig
 from schemas.events import EvictRequested, RunDiscovered, RunEvicted, RunForgotten, RunSubmitted
+from schemas.records import Progress
 from services.bus import Bus
-from services.registry.mirror import RunMirror
-from services.registry.progress import Progress, read_progress, write_progress
-
-from .conftest import RegistryFactory
-from .helpers import events_on, eventually, write_orch
+from services.runs import RunMirror, read_progress, write_progress
 
 CONFIG = OrchConfig(env="copy", max_steps=7)
 
@@ -169,7 +167,7 @@ async def test_progress_round_trip_and_eviction_requests(rbus: Bus, mirror: RunM
     await discovered(rbus, "run_a", 1)
     await mirror.wait_until_caught_up()
     await mirror.synchronize_state()
-    progress = await mirror.progress("run_a")
+    progress = await read_progress(rbus, "run_a")
     assert progress is not None
     assert (progress.step, progress.total_tokens, progress.total_samples) == (3, 120, 24)
     assert progress.updated_at > 0 and progress.reward_mean is None
@@ -177,7 +175,8 @@ async def test_progress_round_trip_and_eviction_requests(rbus: Bus, mirror: RunM
     assert raw.value is not None and raw.value.startswith(b'{"step":3,"total_tokens":120')
 
     await mirror.evict_run(1, "loss is NaN")
-    [request] = await events_on(rbus, sj.EVICT, EvictRequested)
+    raw_request = await rbus.js.get_last_msg(sj.RUNS_STREAM, sj.EVICT)
+    request: EvictRequested = decode(raw_request.data or b"", EvictRequested)
     assert (request.run_id, request.reason, request.requested_by) == (
         "run_a",
         "loss is NaN",
@@ -187,27 +186,37 @@ async def test_progress_round_trip_and_eviction_requests(rbus: Bus, mirror: RunM
         await mirror.evict_run(0, "nobody there")
 
 
-async def test_mirror_follows_a_real_registry(
-    make_registry: RegistryFactory, rbus: Bus, mirror: RunMirror, out: Path
+async def test_an_undecodable_lifecycle_event_is_reported_and_skipped(
+    rbus: Bus, mirror: RunMirror
 ) -> None:
-    for run_id in ("run_a", "run_b", "run_c"):
-        write_orch(out, run_id)
-    registry = await make_registry(max_runs=2)
-    created: list[tuple[int, str]] = []
-    deleted: list[tuple[int, str]] = []
-    mirror.register_creation_hook(lambda i, r: created.append((i, r)))
-    mirror.register_deletion_hook(lambda i, r: deleted.append((i, r)))
+    before = rbus.invalid_count
+    await rbus.js.publish(sj.DISCOVERED, b'{"type": "run_discovered", "run_id": "nope"}')
+    await discovered(rbus, "run_a", 1)
     await mirror.wait_until_caught_up()
-    await mirror.synchronize_state()
-    assert created == [(0, "run_a"), (1, "run_b")]
-
-    await mirror.evict_run(0, "bad data")
-    await eventually(lambda: _has_index(registry.idx_of("run_c")))
-    await mirror.wait_until_caught_up()
-    await mirror.synchronize_state()
-    assert deleted == [(0, "run_a")] and created[-1] == (0, "run_c")
-    assert {i: r.run_id for i, r in mirror.runs.items()} == registry.pool.assigned
+    assert await mirror.synchronize_state() == 1
+    assert mirror.idx_of("run_a") == 1 and rbus.invalid_count == before + 1
 
 
-async def _has_index(idx: int | None) -> bool:
-    return idx is not None
+async def test_a_follower_rank_applies_up_to_the_broadcast_sequence(rbus: Bus) -> None:
+    """A non-main rank applies exactly up to the main rank's sequence, waiting for it if behind,
+    and never runs the main-rank hooks."""
+    targets: list[int] = []
+    follower = RunMirror(rbus, max_runs=4, broadcast=lambda seq: targets.pop(0), main=False)
+    calls = record_hooks(follower)
+    await discovered(rbus, "run_a", 0)
+    await discovered(rbus, "run_b", 1)
+    await follower.start()
+    try:
+        targets.append(1)  # the main rank had seen only the first event
+        await follower.wait_until_caught_up()
+        assert await follower.synchronize_state() == 1
+        assert calls == [("creation", 0, "run_a")]
+        targets.append(3)  # ahead of this rank: it waits for sequence 3
+        pending = asyncio.ensure_future(follower.synchronize_state())
+        await asyncio.sleep(0.05)
+        assert not pending.done()
+        await rbus.publish(sj.EVICTED, RunEvicted(run_id="run_a", idx=0, reason="r"))
+        assert await asyncio.wait_for(pending, 5.0) == 2
+        assert calls[1:] == [("deletion", 0, "run_a"), ("creation", 1, "run_b")]
+    finally:
+        await follower.stop()

@@ -1,12 +1,12 @@
 """The run mirror: the registry's run table as seen by the trainer and inference.
 
-A mirror replays stream ``PLEXRL_RUNS`` from its first message with an ordered (ephemeral,
-unacknowledged) consumer and then follows it. Arriving lifecycle events (RunDiscovered,
+A mirror replays stream ``PLEXRL_RUNS`` from its first message with a
+:class:`~services.bus.Follower` and then follows it. Arriving lifecycle events (RunDiscovered,
 RunEvicted, RunForgotten) are only *buffered*; :meth:`RunMirror.synchronize_state` applies them,
 at a point the caller chooses (the trainer: a step boundary), and runs the hooks of the
 reference MultiRunManager:
 
-- on rank 0 only: forgotten hooks ``(idx, run_id)`` and discovered hooks
+- on the main rank only: forgotten hooks ``(idx, run_id)`` and discovered hooks
   ``(idx, run_id, config)``;
 - on every rank: deletion hooks ``(idx, run_id)`` and creation hooks ``(idx, run_id)``.
 
@@ -16,32 +16,24 @@ set up again. A run that appears and disappears within one call never existed at
 boundary and gets no hook at all; a run evicted and later rediscovered (same id) gets a deletion
 and then a creation.
 
-With ``torch.distributed`` initialised, rank 0 picks the stream sequence to apply up to and
-broadcasts it; every other rank first waits until its own buffer has reached that sequence, so
-all ranks apply exactly the same events. torch is imported only when it is already initialised
-by the caller, so the registry and its CLI never import it.
+A mirror shared by several ranks is handed ``broadcast``, which returns the main rank's value on
+every rank (a collective: every rank calls it at the same point): the main rank picks the stream
+sequence to apply up to, and every other rank first waits until its own buffer has reached that
+sequence, so all ranks apply exactly the same events.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
-import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-from nats.aio.msg import Msg
-from nats.js import api
 
 from schemas import subjects as sj
-from schemas.codec import DecodeError, decode
 from schemas.config import ConfigError, OrchConfig, orch_config_from_dict
 from schemas.events import EvictRequested, RunDiscovered, RunEvicted, RunForgotten
-from services.bus import Bus
-from services.registry.progress import Progress, read_progress
+from services.bus import Bus, Follower, MessageMeta
 
 log = logging.getLogger(__name__)
 
@@ -65,31 +57,43 @@ class _Slot:
     incarnation: int  # tells a run rediscovered under the same id and index from its past self
 
 
-def _distributed() -> Any | None:
-    """``torch.distributed`` if the caller initialised it (never imports torch itself)."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return None
-    return dist
-
-
 class RunMirror:
-    """Follows PLEXRL_RUNS; applies lifecycle events only in :meth:`synchronize_state`."""
+    """Follows PLEXRL_RUNS; applies lifecycle events only in :meth:`synchronize_state`.
+
+    ``broadcast`` and ``main`` describe the ranks sharing this mirror (see the module
+    docstring); a single process needs neither.
+    """
 
     def __init__(
-        self, bus: Bus, max_runs: int, *, service: str = "mirror", sync_timeout: float = 120.0
+        self,
+        bus: Bus,
+        max_runs: int,
+        *,
+        service: str = "mirror",
+        sync_timeout: float = 120.0,
+        broadcast: Callable[[int], int] | None = None,
+        main: bool = True,
     ) -> None:
         self.bus = bus
         self.max_runs = max_runs
         self.service = service
         self.sync_timeout = sync_timeout
+        self.broadcast = broadcast
+        self.main = main
         self._buffer: list[tuple[int, Lifecycle]] = []
-        self._seen_seq = 0
-        self._seen = asyncio.Condition()
+        # The whole runs wildcard, not just the lifecycle subjects: then the last sequence
+        # this mirror has seen is comparable with the stream's and identical on every rank.
+        self._follower: Follower[Lifecycle] = Follower(
+            bus,
+            sj.RUNS_STREAM,
+            sj.RUNS_WILDCARD,
+            Lifecycle,
+            self._on_event,
+            decode_subjects=_LIFECYCLE_SUBJECTS,
+        )
         self._slots: dict[int, _Slot] = {}
         self._idx_by_id: dict[str, int] = {}
         self._incarnations = itertools.count(1)
-        self._sub: Any = None
         self._discovered_hooks: list[Callable[[int, str, OrchConfig], None]] = []
         self._forgotten_hooks: list[Callable[[int, str], None]] = []
         self._creation_hooks: list[Callable[[int, str], None]] = []
@@ -99,67 +103,22 @@ class RunMirror:
 
     async def start(self) -> None:
         """Replay PLEXRL_RUNS from the start, then follow it. Events are buffered, not applied."""
-        if self._sub is not None:
-            return
-        # The whole runs wildcard, not just the lifecycle subjects: then the last sequence
-        # this mirror has seen is comparable with the stream's (wait_until_caught_up) and
-        # identical on every rank.
-        self._sub = await self.bus.js.subscribe(
-            sj.RUNS_WILDCARD,
-            stream=sj.RUNS_STREAM,
-            cb=self._on_msg,
-            ordered_consumer=True,
-            deliver_policy=api.DeliverPolicy.ALL,
-        )
+        await self._follower.start()
 
     async def stop(self) -> None:
-        sub, self._sub = self._sub, None
-        if sub is not None and not self.bus.nc.is_closed:
-            try:
-                await sub.unsubscribe()
-            except Exception as exc:  # the connection may be closing under us
-                log.debug("mirror: unsubscribe failed: %s", exc)
+        await self._follower.stop()
 
-    async def _on_msg(self, msg: Msg) -> None:
-        seq = msg.metadata.sequence.stream
-        if seq <= self._seen_seq:
-            return  # a consumer reset may deliver a message twice
-        if msg.subject in _LIFECYCLE_SUBJECTS:
-            try:
-                event: Lifecycle = decode(
-                    msg.data, Lifecycle, (msg.headers or {}).get("Content-Type")
-                )
-            except DecodeError as exc:
-                await self.bus.report_invalid(msg.subject, str(exc), msg.data)
-            else:
-                self._buffer.append((seq, event))
-        async with self._seen:
-            self._seen_seq = seq
-            self._seen.notify_all()
-
-    async def _wait_for_seq(self, target: int, timeout: float) -> None:
-        if self._seen_seq >= target:
-            return  # without yielding to the event loop: nothing else arrives meanwhile
-        async with self._seen:
-            try:
-                await asyncio.wait_for(
-                    self._seen.wait_for(lambda: self._seen_seq >= target), timeout
-                )
-            except TimeoutError:
-                raise TimeoutError(
-                    f"run mirror: stream {sj.RUNS_STREAM} sequence {target} not received within "
-                    f"{timeout}s (have {self._seen_seq}); is NATS reachable?"
-                ) from None
+    def _on_event(self, seq: int, event: Lifecycle, meta: MessageMeta) -> None:
+        self._buffer.append((seq, event))
 
     async def wait_until_caught_up(self, timeout: float = 10.0) -> None:
         """Wait until the buffer holds everything the stream held when this was called."""
-        last = (await self.bus.js.stream_info(sj.RUNS_STREAM)).state.last_seq
-        await self._wait_for_seq(last, timeout)
+        await self._follower.wait_until_caught_up(timeout)
 
     @property
     def seen_seq(self) -> int:
         """The last stream sequence received (applied or not)."""
-        return self._seen_seq
+        return self._follower.seq
 
     @property
     def num_buffered(self) -> int:
@@ -168,11 +127,11 @@ class RunMirror:
     # --- hooks -----------------------------------------------------------------------------
 
     def register_discovered_hook(self, cb: Callable[[int, str, OrchConfig], None]) -> None:
-        """``cb(idx, run_id, config)`` for each run added, on rank 0 only."""
+        """``cb(idx, run_id, config)`` for each run added, on the main rank only."""
         self._discovered_hooks.append(cb)
 
     def register_forgotten_hook(self, cb: Callable[[int, str], None]) -> None:
-        """``cb(idx, run_id)`` for each run removed (evicted or forgotten), on rank 0 only."""
+        """``cb(idx, run_id)`` for each run removed (evicted or forgotten), on the main rank only."""
         self._forgotten_hooks.append(cb)
 
     def register_creation_hook(self, cb: Callable[[int, str], None]) -> None:
@@ -186,32 +145,27 @@ class RunMirror:
     # --- applying --------------------------------------------------------------------------
 
     async def synchronize_state(self) -> int:
-        """Apply every buffered event (up to rank 0's sequence); returns how many were applied."""
-        dist = _distributed()
-        target = self._seen_seq
-        rank0 = True
-        if dist is not None and dist.get_world_size() > 1:
-            rank0 = dist.get_rank() == 0
-            # A collective: every rank calls this at the same point. It blocks the event loop
-            # briefly, in the caller's thread, so the caller's device setting holds for NCCL.
-            box: list[Any] = [target if rank0 else None]
-            dist.broadcast_object_list(box, src=0)
-            target = int(box[0])
-            await self._wait_for_seq(target, self.sync_timeout)
+        """Apply every buffered event (up to the main rank's sequence); returns how many."""
+        target = self._follower.seq
+        if self.broadcast is not None:
+            # It blocks the event loop briefly, in the caller's thread, so the caller's device
+            # setting holds for NCCL.
+            target = int(self.broadcast(target))
+            await self._follower.wait_for_seq(target, self.sync_timeout)
         cut = 0
         while cut < len(self._buffer) and self._buffer[cut][0] <= target:
             cut += 1
         batch, self._buffer = self._buffer[:cut], self._buffer[cut:]
         deleted, created = self._apply(batch)
         self._idx_by_id = {slot.info.run_id: idx for idx, slot in self._slots.items()}
-        if rank0:
+        if self.main:
             for slot in deleted:
                 for cb in self._forgotten_hooks:
                     cb(slot.info.idx, slot.info.run_id)
         for slot in deleted:
             for cb in self._deletion_hooks:
                 cb(slot.info.idx, slot.info.run_id)
-        if rank0:
+        if self.main:
             for slot in created:
                 for discovered in self._discovered_hooks:
                     discovered(slot.info.idx, slot.info.run_id, slot.info.config)
@@ -291,10 +245,6 @@ class RunMirror:
         if slot is None:
             raise KeyError(f"no run holds index {idx} in this mirror")
         return slot.info.config
-
-    async def progress(self, run_id: str) -> Progress | None:
-        """The run's latest progress from KV ``plexrl-progress`` (None if none written)."""
-        return await read_progress(self.bus, run_id)
 
     async def evict_run(self, idx: int, reason: str) -> None:
         """Ask the registry to evict the run at ``idx`` (EvictRequested, requested_by=service)."""

@@ -1,0 +1,92 @@
+"""The read side of the run table, KV bucket ``plexrl-registry`` (key = run id).
+
+The registry writes each run's :class:`~schemas.records.RunRecord` (its write side stays in
+:mod:`services.registry.table`); every other service only reads: :func:`read_record` for one
+run, :func:`read_table` for all of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from nats.js.errors import KeyDeletedError, KeyNotFoundError
+from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
+
+from schemas.codec import DecodeError, decode
+from schemas.records import RunRecord
+from schemas.subjects import KV_REGISTRY
+from services.bus import Bus
+from services.runs.kv import bucket
+
+log = logging.getLogger(__name__)
+
+LOAD_TIMEOUT_S = 30.0
+"""how long a read of the table may wait for records the server says are still coming"""
+
+
+class TableUnreadable(RuntimeError):
+    """The table could not be read to its end."""
+
+
+def decode_record(data: bytes) -> RunRecord:
+    """A record from its JSON; :class:`~schemas.codec.DecodeError` if it is not one."""
+    return decode(data, RunRecord)
+
+
+async def read_record(bus: Bus, run_id: str) -> RunRecord | None:
+    """``run_id``'s record, or None if the table has none (DecodeError if unreadable)."""
+    kv = await bucket(bus, KV_REGISTRY)
+    try:
+        entry = await kv.get(run_id)
+    except (KeyNotFoundError, KeyDeletedError):
+        return None
+    return decode_record(entry.value) if entry.value else None
+
+
+async def read_table(kv: KeyValue, revisions: dict[str, int] | None = None) -> dict[str, RunRecord]:
+    """Every record in the bucket (the latest value per key); unreadable records are skipped.
+
+    ``revisions``, if given, receives each key's revision (the registry writes against them).
+    The read ends at the entry the server says is the last one pending, not at nats-py's
+    end-of-initial-values marker: that marker can come before entries already on their way
+    (the client decides from a consumer-info reply that may overtake them), and a registry
+    that restarted on a short read would hand out indices it had already given away.
+    """
+    records: dict[str, RunRecord] = {}
+    revisions = {} if revisions is None else revisions
+    status = await kv.status()
+    if not status.stream_info.state.messages:
+        return records
+    watcher = await kv.watchall()
+    try:
+        async with asyncio.timeout(LOAD_TIMEOUT_S):
+            async for entry in watcher:
+                if entry is None:  # possibly early: wait for the entry with nothing after it
+                    continue
+                _apply(records, revisions, entry)
+                if entry.delta == 0:
+                    break
+    except TimeoutError as exc:
+        raise TableUnreadable(
+            f"plexrl-registry: reading bucket {status.bucket!r} found {len(records)} of its "
+            f"records and nothing more came within {LOAD_TIMEOUT_S:.0f}s: is the NATS server "
+            "overloaded, or was the bucket's stream purged while it was read?"
+        ) from exc
+    finally:
+        await watcher.stop()
+    return records
+
+
+def _apply(records: dict[str, RunRecord], revisions: dict[str, int], entry: KeyValue.Entry) -> None:
+    if entry.operation in (KV_DEL, KV_PURGE) or entry.value is None:
+        revisions.pop(entry.key, None)
+        records.pop(entry.key, None)
+        return
+    try:
+        record = decode_record(entry.value)
+    except DecodeError as exc:
+        log.error("plexrl-registry: skipping unreadable record %s: %s", entry.key, exc)
+        return
+    records[entry.key] = record
+    revisions[entry.key] = entry.revision or 0
