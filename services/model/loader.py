@@ -15,13 +15,9 @@ from typing import Any
 
 import torch
 
-from services.model.tokenizer import decode_ids, encode_text
-
 __all__ = [
     "ModelDirectoryError",
     "check_model_dir",
-    "decode_ids",
-    "encode_text",
     "load_model",
     "load_tokenizer",
 ]

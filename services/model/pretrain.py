@@ -41,10 +41,9 @@ setting are restored afterwards. One thread is the default: for a model this sma
 one gains little, and when another process keeps one of two cores busy, two OpenMP threads
 wait on each other and a step takes 3-8 times longer (measured: 36-52 ms against 127-291 ms).
 
-Prompt format, shared with the orchestrator and the inference services: a prompt is
-``[<bos>] + encode_text(prompt.text)`` (``<bos>`` where the tokenizer has one), the completion
-is the answer followed by ``<eos>``, and it is scored as
-``env.score(prompt, decode_ids(completion_ids, skip_special_tokens=True))``.
+Prompts, completions and scores follow the convention of :mod:`services.envs.prompts`, the one
+the orchestrator uses; evaluation samples with :mod:`services.model.sampling`, the inference
+engine's sampler.
 """
 
 from __future__ import annotations
@@ -63,9 +62,16 @@ from typing import Any
 
 import torch
 
+from services.envs import (
+    Environment,
+    encode_text,
+    load_environment,
+    prompt_token_ids,
+    score_completion,
+)
 from services.model.loader import check_model_dir, load_model, quiet_progress_bars
-from services.model.tokenizer import decode_ids, encode_text
-from services.orchestrator.envs import Environment, load_environment
+from services.model.routing import NO_ADAPTER
+from services.model.sampling import SequenceSpec, generate_batch, sequence_seed
 
 DEFAULT_ENVS = ("reverse", "copy", "add")
 DEFAULT_STEPS = 1500
@@ -103,13 +109,6 @@ class PretrainReport:
     rewards: dict[str, float]
     """Mean reward per environment of completions sampled at temperature 1 after training."""
     seconds: float
-
-
-def prompt_ids(tokenizer: Any, text: str) -> list[int]:
-    """The token ids a model continues for prompt ``text``: ``<bos>`` (if any) + the text."""
-    ids = encode_text(tokenizer, text)
-    bos = getattr(tokenizer, "bos_token_id", None)
-    return [int(bos), *ids] if bos is not None else ids
 
 
 def corrupt_answer(answer: str, alphabet: str, noise: float, rng: random.Random) -> str:
@@ -163,7 +162,7 @@ class DemonstrationStream:
             answer = corrupt_answer(prompt.target, self.alphabets[which], noise, rng)
             rows.append(
                 (
-                    prompt_ids(self.tokenizer, prompt.text),
+                    prompt_token_ids(self.tokenizer, prompt.text),
                     [*encode_text(self.tokenizer, answer), eos],
                 )
             )
@@ -183,62 +182,6 @@ def lm_loss(model: Any, ids_BT: torch.Tensor, loss_BT: torch.Tensor) -> torch.Te
     return torch.nn.functional.cross_entropy(logits_BTV[mask_BT], targets_BT[mask_BT])
 
 
-@torch.no_grad()
-def sample_completions(
-    model: Any,
-    prompts: Sequence[Sequence[int]],
-    *,
-    eos_token_id: int,
-    pad_token_id: int,
-    max_tokens: int,
-    temperature: float = 1.0,
-    generator: torch.Generator | None = None,
-) -> list[list[int]]:
-    """Sample one completion per prompt, all in one batch with a KV cache.
-
-    Prompts are left-padded; position ids count real tokens only, so every prompt sees the
-    positions it would alone. A completion ends with ``<eos>`` (kept) or after ``max_tokens``.
-    Plain multinomial sampling from ``softmax(logits / temperature)``: no top-k, no top-p.
-    """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    num, width = len(prompts), max(len(p) for p in prompts)
-    ids_BT = torch.full((num, width), pad_token_id)
-    attention_BT = torch.zeros(num, width, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids_BT[i, width - len(p) :] = torch.tensor(list(p))
-        attention_BT[i, width - len(p) :] = 1
-    positions_BT = (attention_BT.cumsum(-1) - 1).clamp(min=0)
-    out = model(
-        input_ids=ids_BT,
-        attention_mask=attention_BT,
-        position_ids=positions_BT,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    completions: list[list[int]] = [[] for _ in range(num)]
-    done_B = torch.zeros(num, dtype=torch.bool)
-    next_pos_B1 = positions_BT[:, -1:] + 1
-    for _ in range(max_tokens):
-        probs_BV = torch.softmax(out.logits[:, -1].float() / temperature, dim=-1)
-        token_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
-        for i in (~done_B).nonzero().flatten().tolist():
-            completions[i].append(int(token_B[i]))
-        done_B |= token_B == eos_token_id
-        if bool(done_B.all()):
-            break
-        attention_BT = torch.cat([attention_BT, torch.ones(num, 1, dtype=torch.long)], dim=-1)
-        out = model(
-            input_ids=token_B.unsqueeze(-1),
-            attention_mask=attention_BT,
-            position_ids=next_pos_B1,
-            past_key_values=out.past_key_values,
-            use_cache=True,
-        )
-        next_pos_B1 = next_pos_B1 + 1
-    return completions
-
-
 def evaluate(
     model: Path | str | tuple[Any, Any],
     env_names: Sequence[str] = DEFAULT_ENVS,
@@ -251,30 +194,33 @@ def evaluate(
     """Mean reward per environment of one completion sampled for each of ``n_prompts`` prompts.
 
     ``model`` is a model directory or a loaded ``(model, tokenizer)``. Prompts are indices
-    ``0..n_prompts-1`` of each environment built with ``env_seed``; sampling draws from a
-    generator seeded with ``seed``, so the result is reproducible.
+    ``0..n_prompts-1`` of each environment built with ``env_seed``; completion ``i`` of the
+    ``k``-th environment draws from its own generator seeded with ``sequence_seed(seed, k, i)``,
+    so the result is reproducible. Temperature 0 samples greedily.
     """
     if isinstance(model, tuple):
         lm, tokenizer = model
     else:
         lm, tokenizer = load_model(model)
-    generator = torch.Generator().manual_seed(seed)
+    eos = int(tokenizer.eos_token_id)
     rewards: dict[str, float] = {}
-    for name in env_names:
+    for k, name in enumerate(env_names):
         env = load_environment(name, seed=env_seed)
         prompts = [env.prompt(i) for i in range(n_prompts)]
-        completions = sample_completions(
-            lm,
-            [prompt_ids(tokenizer, p.text) for p in prompts],
-            eos_token_id=int(tokenizer.eos_token_id),
-            pad_token_id=int(tokenizer.pad_token_id),
-            max_tokens=max_tokens,
-            temperature=temperature,
-            generator=generator,
-        )
+        specs = [
+            SequenceSpec(
+                prompt_ids=prompt_token_ids(tokenizer, p.text),
+                slot=NO_ADAPTER,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                seed=sequence_seed(seed, k, i),
+            )
+            for i, p in enumerate(prompts)
+        ]
+        outputs = generate_batch(lm, None, specs, eos_ids=[eos], pad_id=int(tokenizer.pad_token_id))
         scores = [
-            env.score(p, decode_ids(tokenizer, c, skip_special_tokens=True))
-            for p, c in zip(prompts, completions, strict=True)
+            score_completion(env, tokenizer, p, out.token_ids)
+            for p, out in zip(prompts, outputs, strict=True)
         ]
         rewards[name] = sum(scores) / len(scores)
     return rewards

@@ -74,19 +74,3 @@ def save_char_tokenizer(out_dir: Path) -> Any:
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return tokenizer
-
-
-def encode_text(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of ``text`` without special tokens: prompts get <bos> only where a caller says."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    return [int(i) for i in ids]
-
-
-def decode_ids(tokenizer: Any, ids: list[int], skip_special_tokens: bool = True) -> str:
-    """Text of ``ids``; special tokens are dropped unless asked for."""
-    text = tokenizer.decode(
-        list(ids),
-        skip_special_tokens=skip_special_tokens,
-        clean_up_tokenization_spaces=False,
-    )
-    return str(text)

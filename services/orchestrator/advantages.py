@@ -23,16 +23,6 @@ import torch
 from torch import Tensor
 
 
-def group_advantages(
-    rewards_G: Tensor | Sequence[float], std_normalize: bool = False, eps: float = 1e-6
-) -> Tensor:
-    """Advantages of one group of ``G`` completions of the same prompt."""
-    rewards_G = _as_rewards(rewards_G)
-    if rewards_G.dim() != 1:
-        raise ValueError(f"expected rewards of shape [G], got {tuple(rewards_G.shape)}")
-    return batch_advantages(rewards_G.unsqueeze(0), std_normalize, eps).squeeze(0)
-
-
 def batch_advantages(
     rewards_PG: Tensor | Sequence[Sequence[float]], std_normalize: bool = False, eps: float = 1e-6
 ) -> Tensor:
@@ -54,7 +44,7 @@ def batch_advantages(
     return torch.where(flat_P1, torch.zeros_like(centred_PG), centred_PG)
 
 
-def _as_rewards(rewards: Tensor | Sequence[float] | Sequence[Sequence[float]]) -> Tensor:
+def _as_rewards(rewards: Tensor | Sequence[Sequence[float]]) -> Tensor:
     if isinstance(rewards, Tensor):
         return rewards if rewards.is_floating_point() else rewards.double()
     # Python floats are doubles; keep them so that hand-written rewards round-trip exactly.

@@ -14,22 +14,19 @@ a run the registry rejected, 3 the run was evicted ("run_x evicted: <reason>" on
 from __future__ import annotations
 
 import argparse
-import asyncio
-import getpass
-import logging
-import socket
 import sys
 from pathlib import Path
 from typing import Any
 
-from services.config.loader import DEFAULT_NATS_URL
+from services.config import add_common_args, add_settings_flags
+from services.orchestrator.settings import OrchestratorSettings
 
-PROG = "plexrl orchestrator"
+COMMAND = "orchestrator"
 
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "orchestrator",
+        COMMAND,
         help="drive one run: generate, score and publish its rollouts",
         description=(
             "Submit RUN_ID to the registry (unless it already holds it), then, step by step, ask "
@@ -42,115 +39,50 @@ def register(subparsers: Any) -> None:
     parser.add_argument("run_id", metavar="RUN_ID", help="'run_' + 1-64 letters, digits, _ or -")
     parser.add_argument(
         "--config",
+        dest="run_config",
         type=Path,
         metavar="ORCH.toml",
         help="the run's config (default: OUTPUT_DIR/RUN_ID/control/orch.toml, where the registry "
         "keeps it)",
     )
-    parser.add_argument(
-        "--output-dir",
-        type=Path,
-        help="where run directories live (env PLEXRL_OUTPUT_DIR, default outputs)",
-    )
-    parser.add_argument(
-        "--model",
-        type=Path,
-        metavar="DIR",
-        help="model directory to take the tokenizer from: the model inference serves "
-        "(env PLEXRL_MODEL)",
-    )
-    parser.add_argument(
-        "--nats-url",
-        default=None,
-        help=f"NATS server (env PLEXRL_NATS_URL, default {DEFAULT_NATS_URL})",
-    )
-    parser.add_argument(
-        "--request-timeout",
-        type=float,
-        metavar="S",
-        help="seconds a generate request may take before it is retried (default 120)",
-    )
-    parser.add_argument(
-        "--wait-for-training",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="after the last step, wait until the trainer has trained on it (default: wait)",
-    )
+    add_common_args(parser, config=False)
+    add_settings_flags(parser, OrchestratorSettings)
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    import asyncio
+
     from schemas.config import ConfigError, load_orch_config
     from schemas.run_id import InvalidRunId, validate_run_id
-    from services.config import SettingsError, load_settings
-    from services.orchestrator.settings import OrchestratorSettings
+    from services.config import SettingsError, nats_url, settings_from_args
+    from services.launch import fail, run_service
 
-    overrides = {
-        "output_dir": args.output_dir,
-        "model": args.model,
-        "request_timeout": args.request_timeout,
-        "wait_for_training": args.wait_for_training,
-    }
     try:
         run_id = validate_run_id(args.run_id)
-        settings = load_settings(OrchestratorSettings, None, overrides)
+        settings = settings_from_args(OrchestratorSettings, args)
+        url = nats_url(args)
         config = load_orch_config(
-            args.config or settings.output_dir / run_id / "control" / "orch.toml"
+            args.run_config or settings.output_dir / run_id / "control" / "orch.toml"
         )
     except (InvalidRunId, ConfigError, SettingsError) as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 2
+        return fail(COMMAND, exc)
     if settings.model is None:
-        print(
-            f"{PROG}: say which tokenizer encodes the prompts: --model DIR (or PLEXRL_MODEL), "
-            "the model inference serves; `plexrl model tiny DIR` writes the default tiny model",
-            file=sys.stderr,
+        return fail(
+            COMMAND,
+            "say which tokenizer encodes the prompts: --model DIR (or PLEXRL_MODEL), the model "
+            "inference serves; `plexrl model tiny DIR` writes the default tiny model",
         )
-        return 2
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    from services.envs import EnvLoadError
     from services.model.loader import ModelDirectoryError, load_tokenizer
-    from services.orchestrator.envs import EnvLoadError
+    from services.orchestrator.run_loop import RunOrchestrator
 
     try:
         tokenizer = load_tokenizer(settings.model)
     except (ModelDirectoryError, OSError) as exc:
-        print(f"{PROG}: cannot load the tokenizer from {settings.model}: {exc}", file=sys.stderr)
-        return 2
-    try:
-        return asyncio.run(_serve(run_id, config, settings, tokenizer, args))
-    except EnvLoadError as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 2
+        return fail(COMMAND, f"cannot load the tokenizer from {settings.model}: {exc}")
 
-
-def _who() -> str:
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):  # a container user without a passwd entry
-        user = "unknown"
-    return f"{user}@{socket.gethostname()}"
-
-
-async def _serve(
-    run_id: str, config: Any, settings: Any, tokenizer: Any, args: argparse.Namespace
-) -> int:
-    from services.bus import Bus, BusUnavailable, setup_tracing, stop_on_signals
-    from services.bus.tracing import shutdown_tracing
-    from services.config.loader import nats_url
-    from services.orchestrator.run_loop import RunOrchestrator
-    from services.telemetry.metrics import setup_metrics
-
-    setup_tracing("orchestrator")
-    setup_metrics("orchestrator")
-    stop = stop_on_signals()
-    try:
-        bus = await Bus.connect(nats_url(args), "orchestrator")
-    except BusUnavailable as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 1
-    try:
+    async def serve(bus: Any, stop: asyncio.Event) -> int:
         orchestrator = RunOrchestrator(
             bus,
             run_id,
@@ -160,17 +92,32 @@ async def _serve(
             request_timeout=settings.request_timeout,
             wait_for_training=settings.wait_for_training,
             max_concurrent_requests=settings.max_concurrent_requests,
-            submitted_by=f"{PROG} ({_who()})",
+            submitted_by=f"plexrl {COMMAND} ({_who()})",
             registry_service=settings.registry_service,
         )
         result = await orchestrator.run(stop)
-    finally:
-        await bus.close()
-        shutdown_tracing()
+        _report(run_id, config.max_steps, result)
+        return int(result.exit_code)
+
+    return run_service(COMMAND, serve, nats_url=url, service=COMMAND, errors={EnvLoadError: 2})
+
+
+def _who() -> str:
+    import getpass
+    import socket
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # a container user without a passwd entry
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+def _report(run_id: str, max_steps: int, result: Any) -> None:
     match result.status:
         case "done":
             print(
-                f"{run_id}: done: {config.max_steps} steps ({result.steps_published} published "
+                f"{run_id}: done: {max_steps} steps ({result.steps_published} published "
                 f"by this process), policy version {result.policy_version}"
             )
         case "stopped":
@@ -178,10 +125,9 @@ async def _serve(
         case "evicted":
             print(f"{run_id} evicted: {result.reason}", file=sys.stderr)
         case "rejected":
-            print(f"{PROG}: {result.reason}", file=sys.stderr)
+            print(f"plexrl {COMMAND}: {result.reason}", file=sys.stderr)
         case "failed":
             print(
-                f"{PROG}: {run_id} failed at step {result.next_step}: {result.reason}",
+                f"plexrl {COMMAND}: {run_id} failed at step {result.next_step}: {result.reason}",
                 file=sys.stderr,
             )
-    return result.exit_code

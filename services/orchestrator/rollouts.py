@@ -8,8 +8,9 @@ Step ``n`` of a run with ``B = batch_size`` prompts and ``G = group_size`` compl
 2. each prompt becomes one GenerateRequest with ``n = G``, ``min_policy_version`` the step's
    off-policy bound and a seed from ``(config.seed, n, prompt index)``, so a step generated
    twice against the same policy yields the same tokens;
-3. each completion is decoded without special tokens and scored by the environment: the
-   reward ``r_ij`` of completion ``j`` of prompt ``i``, in [0, 1];
+3. each completion is decoded without special tokens and scored by the environment (the prompt
+   convention of :mod:`services.envs.prompts`): the reward ``r_ij`` of completion ``j`` of
+   prompt ``i``, in [0, 1];
 4. group-relative advantages (GRPO, see :mod:`services.orchestrator.advantages`)::
 
        A_ij = r_ij - mean_j r_ij                       advantage.std_normalize = false
@@ -31,9 +32,8 @@ from typing import Any
 
 from schemas.config import OrchConfig
 from schemas.events import Completion, GenerateRequest, GenerateResponse, RolloutBatch, Sample
-from services.model.tokenizer import decode_ids, encode_text
+from services.envs import Environment, Prompt, prompt_token_ids, score_completion
 from services.orchestrator.advantages import batch_advantages
-from services.orchestrator.envs import Environment, Prompt
 
 SEED_BITS = 31
 """Request seeds fit a signed 32-bit integer, so a client or engine in any language takes them."""
@@ -58,13 +58,6 @@ def request_seed(run_seed: int, step: int, index: int) -> int:
     """
     digest = hashlib.sha256(f"plexrl:{run_seed}:{step}:{index}".encode()).digest()
     return int.from_bytes(digest[:8], "big") & ((1 << SEED_BITS) - 1)
-
-
-def prompt_token_ids(tokenizer: Any, text: str) -> list[int]:
-    """The prompt convention every service shares: ``<bos>`` (if the tokenizer has one) + text."""
-    ids = encode_text(tokenizer, text)
-    bos = getattr(tokenizer, "bos_token_id", None)
-    return [int(bos), *ids] if bos is not None else ids
 
 
 @dataclass(frozen=True)
@@ -150,11 +143,7 @@ def score_group(
     env: Environment, tokenizer: Any, prompt: Prompt, group: Sequence[Completion]
 ) -> list[float]:
     """Rewards of one prompt's completions, each decoded without special tokens."""
-    rewards = []
-    for completion in group:
-        text = decode_ids(tokenizer, completion.token_ids, skip_special_tokens=True)
-        rewards.append(float(env.score(prompt, text)))
-    return rewards
+    return [score_completion(env, tokenizer, prompt, c.token_ids) for c in group]
 
 
 def assemble_batch(

@@ -43,9 +43,9 @@ from schemas.config import OrchConfig
 from schemas.events import RunEvicted, RunForgotten
 from schemas.run_id import validate_run_id
 from services.bus import Bus, PayloadTooLarge
+from services.envs import Environment, load_environment
 from services.orchestrator import rollouts
 from services.orchestrator.client import GenerateClient, GenerationError, GenerationStopped
-from services.orchestrator.envs import Environment, load_environment
 from services.orchestrator.lifecycle import (
     Admission,
     RunRejected,
@@ -64,7 +64,7 @@ from services.orchestrator.state import (
 )
 from services.orchestrator.step import ScoringError, StepRunner
 from services.orchestrator.versions import PolicyVersions
-from services.registry.progress import read_progress
+from services.runs.progress import read_progress
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

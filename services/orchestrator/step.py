@@ -27,9 +27,9 @@ from schemas.events import Completion, GenerateRequest, RolloutBatch
 from schemas.subjects import rollout_msg_id, rollouts_subject
 from services.bus import Bus
 from services.bus.tracing import tracer
+from services.envs import Environment
 from services.orchestrator import rollouts
 from services.orchestrator.client import GenerateClient, GenerationStopped
-from services.orchestrator.envs import Environment
 from services.orchestrator.metrics import StepMetrics, append_metrics, metrics_path, step_metrics
 from services.orchestrator.state import OrchestratorCheckpoint, checkpoint_path, write_checkpoint
 from services.telemetry.metrics import record_step

@@ -66,16 +66,19 @@ def peft_reference(tiny_dir: Path) -> Callable[..., Any]:
     return make
 
 
-def randomize_slot(lora: MultiLoRA, idx: int, rank: int, alpha: float, seed: int) -> None:
-    """Reset ``idx`` at ``rank`` and give B random values, so gradients w.r.t. A are non-zero."""
+def randomize_slot(
+    lora: MultiLoRA, idx: int, rank: int, alpha: float, seed: int, scale: float = 0.2
+) -> None:
+    """Reset ``idx`` at ``rank`` and give B random values (std ``scale``), so gradients w.r.t. A
+    are non-zero and the adapter changes outputs."""
     lora.reset_slot(idx, rank, alpha, seed=seed)
     generator = torch.Generator().manual_seed(seed + 1000)
     with torch.no_grad():
         for layer in lora.layers.values():
             b = layer.lora_B[idx]
-            b[:, :rank].copy_(0.2 * torch.randn(b.shape[0], rank, generator=generator))
+            b[:, :rank].copy_(scale * torch.randn(b.shape[0], rank, generator=generator))
 
 
-@pytest.fixture
-def randomize() -> Callable[[MultiLoRA, int, int, float, int], None]:
+@pytest.fixture(scope="session")
+def randomize() -> Callable[..., None]:
     return randomize_slot

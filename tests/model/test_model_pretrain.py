@@ -13,18 +13,17 @@ import pytest
 import torch
 
 from services.cli import main
-from services.model.loader import decode_ids, load_model
+from services.envs import decode_ids, load_environment, prompt_token_ids
+from services.model.loader import load_model
 from services.model.pretrain import (
     PRETRAIN_FILE,
     DemonstrationStream,
     corrupt_answer,
     evaluate,
     pretrain,
-    prompt_ids,
     readout_parameters,
-    sample_completions,
 )
-from services.orchestrator.envs import load_environment
+from services.model.sampling import SequenceSpec, generate_batch
 
 ENVS = ("reverse", "copy", "add")
 SHORT = {"steps": 24, "eval_prompts": 16}
@@ -140,20 +139,28 @@ def test_demonstrations_are_bos_prompt_answer_eos(tiny_dir):
     assert torch.equal(again, ids_BT)
 
 
-def test_cached_left_padded_sampling_matches_step_by_step_decoding(tiny_dir):
+def test_sampling_without_adapters_matches_step_by_step_decoding(tiny_dir):
     model, tokenizer = load_model(tiny_dir)
-    prompts = [prompt_ids(tokenizer, t) for t in ("add: 1+2=", "reverse: abcde=", "copy: xy=")]
-    got = sample_completions(
-        model, prompts, eos_token_id=2, pad_token_id=0, max_tokens=6, temperature=1e-4
-    )
-    for prompt, completion in zip(prompts, got, strict=True):
+    prompts = [
+        prompt_token_ids(tokenizer, t) for t in ("add: 1+2=", "reverse: abcde=", "copy: xy=")
+    ]
+    specs = [SequenceSpec(prompt_ids=p, slot=-1, max_tokens=6, temperature=0.0) for p in prompts]
+    got = generate_batch(model, None, specs, eos_ids=[2], pad_id=0)
+    for prompt, out in zip(prompts, got, strict=True):
         ids = list(prompt)
         with torch.no_grad():
             for _ in range(6):
                 ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
                 if ids[-1] == 2:
                     break
-        assert completion == ids[len(prompt) :]
+        assert out.token_ids == ids[len(prompt) :]
+
+
+class _Seen(list):
+    """The oracle's "KV cache": the ids each row has been fed, dropped with its row."""
+
+    def batch_select_indices(self, rows: torch.Tensor) -> None:
+        self[:] = [self[i] for i in rows.tolist()]
 
 
 class _Oracle(torch.nn.Module):
@@ -163,9 +170,11 @@ class _Oracle(torch.nn.Module):
         super().__init__()
         self.tokenizer = tokenizer
         self.vocab = len(tokenizer)
+        self.device_marker = torch.nn.Parameter(torch.zeros(()))
 
     def forward(self, input_ids, attention_mask, past_key_values=None, **_: Any) -> Any:
-        seen = past_key_values or [[] for _ in range(len(input_ids))]
+        seen = past_key_values if isinstance(past_key_values, _Seen) else _Seen()
+        seen.extend([] for _ in range(len(input_ids) - len(seen)))
         logits = torch.zeros(len(input_ids), 1, self.vocab)
         for i, row in enumerate(input_ids.tolist()):
             real = [
@@ -181,8 +190,7 @@ class _Oracle(torch.nn.Module):
             answer = {"reverse": operand[::-1], "copy": operand}.get(task)
             answer = answer if answer is not None else str(sum(map(int, operand.split("+"))))
             full = [*self.tokenizer.encode(answer, add_special_tokens=False), 2]
-            # Rows that already ended keep being fed until the whole batch has.
-            logits[i, 0, full[min(len(written), len(full) - 1)]] = 100.0
+            logits[i, 0, full[len(written)]] = 100.0
         return SimpleNamespace(logits=logits, past_key_values=seen)
 
 

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from services.cli import main
-from services.model.loader import ModelDirectoryError, decode_ids, encode_text, load_model
+from services.envs import decode_ids, encode_text
+from services.model.loader import ModelDirectoryError, load_model
 from services.model.tiny import build_tiny_model
 from services.model.tokenizer import CHARACTERS, character_vocab
 

@@ -1,4 +1,5 @@
-"""Fixtures of the orchestrator tests: a nats-server per test, a real registry, a replica.
+"""Fixtures of the orchestrator tests: a nats-server per test, a real registry, a replica
+(``server`` and ``make_registry`` come from tests/conftest.py).
 
 Each loop test gets its own ``nats-server`` (about 30 ms to start), so its queue group
 ``inference`` holds only the replica that test started and the streams hold only its run.
@@ -6,7 +7,7 @@ Each loop test gets its own ``nats-server`` (about 30 ms to start), so its queue
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,6 @@ from services.bus import Bus, EmbeddedNats
 from services.model.tiny import build_tiny_model
 from services.model.tokenizer import build_char_tokenizer
 from services.registry.service import Registry
-from services.registry.settings import RegistrySettings
 
 from .replica import ScriptedReplica
 
@@ -36,47 +36,13 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[EmbeddedNats]:
-    with EmbeddedNats(store_dir=tmp_path / "nats") as s:
-        yield s
-
-
-@pytest.fixture
 async def obus(server: EmbeddedNats) -> AsyncIterator[Bus]:
     b = await Bus.connect(server.url, "test")
     yield b
     await b.close()
 
 
-@pytest.fixture
-def out(tmp_path: Path) -> Path:
-    d = tmp_path / "out"
-    d.mkdir()
-    return d
-
-
 RegistryFactory = Callable[..., Awaitable[Registry]]
-
-
-@pytest.fixture
-async def make_registry(server: EmbeddedNats, out: Path) -> AsyncIterator[RegistryFactory]:
-    """Start a registry on its own connection (scans only when a test asks)."""
-    started: list[tuple[Registry, Bus]] = []
-
-    async def make(**overrides: Any) -> Registry:
-        settings = RegistrySettings(
-            **({"output_dir": out, "max_runs": 4, "scan_interval": 3600.0} | overrides)
-        )
-        rbus = await Bus.connect(server.url, settings.service)
-        registry = Registry(rbus, settings)
-        await registry.start()
-        started.append((registry, rbus))
-        return registry
-
-    yield make
-    for registry, rbus in started:
-        await registry.stop()
-        await rbus.close()
 
 
 @pytest.fixture

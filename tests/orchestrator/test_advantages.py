@@ -2,25 +2,33 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import torch
 
-from services.orchestrator.advantages import batch_advantages, group_advantages
+from services.orchestrator.advantages import batch_advantages
+
+
+def one_group(rewards_G: Sequence[float] | torch.Tensor, **kwargs: float | bool) -> torch.Tensor:
+    """Advantages of a single group: a batch of one row."""
+    rows = rewards_G.unsqueeze(0) if isinstance(rewards_G, torch.Tensor) else [list(rewards_G)]
+    return batch_advantages(rows, **kwargs)[0]  # type: ignore[arg-type]
 
 
 def test_mean_centred() -> None:
-    got = group_advantages([1.0, 0.0, 0.5, 0.5])
+    got = one_group([1.0, 0.0, 0.5, 0.5])
     assert torch.equal(got, torch.tensor([0.5, -0.5, 0.0, 0.0], dtype=torch.float64))
 
 
 def test_std_normalized_uses_population_std() -> None:
     # rewards 0, 0, 1, 1: mean 0.5, population std 0.5.
-    got = group_advantages([0.0, 0.0, 1.0, 1.0], std_normalize=True, eps=1e-6)
+    got = one_group([0.0, 0.0, 1.0, 1.0], std_normalize=True, eps=1e-6)
     assert torch.allclose(
         got, torch.tensor([-1.0, -1.0, 1.0, 1.0], dtype=torch.float64) * 0.5 / (0.5 + 1e-6)
     )
     # Three rewards 1, 2, 6: mean 3, std sqrt(14/3).
-    got = group_advantages(torch.tensor([1.0, 2.0, 6.0]), std_normalize=True, eps=0.1)
+    got = one_group(torch.tensor([1.0, 2.0, 6.0]), std_normalize=True, eps=0.1)
     std = (14 / 3) ** 0.5
     assert torch.allclose(got, torch.tensor([-2.0, -1.0, 3.0]) / (std + 0.1))
     assert got.dtype == torch.float32
@@ -32,7 +40,7 @@ def test_equal_rewards_give_exactly_zero(std_normalize: bool) -> None:
     got = batch_advantages([[0.1, 0.1, 0.1], [0.7, 0.7, 0.7]], std_normalize=std_normalize)
     assert torch.equal(got, torch.zeros(2, 3, dtype=torch.float64))
     assert torch.equal(
-        group_advantages([0.3], std_normalize=std_normalize), torch.zeros(1, dtype=torch.float64)
+        one_group([0.3], std_normalize=std_normalize), torch.zeros(1, dtype=torch.float64)
     )
 
 
@@ -41,7 +49,7 @@ def test_batched_rows_are_independent_groups() -> None:
     assert torch.allclose(
         got, torch.tensor([[0.5, -0.5], [0.0, 0.0], [1.0, -1.0]], dtype=torch.float64)
     )
-    assert torch.allclose(got[2], group_advantages([3.0, 1.0]))
+    assert torch.allclose(got[2], one_group([3.0, 1.0]))
     # Advantages of a group sum to zero.
     assert torch.allclose(
         batch_advantages(torch.rand(5, 8), std_normalize=True).sum(1), torch.zeros(5), atol=1e-5
@@ -50,10 +58,10 @@ def test_batched_rows_are_independent_groups() -> None:
 
 def test_invalid_rewards() -> None:
     with pytest.raises(ValueError, match="finite"):
-        group_advantages([1.0, float("nan")])
-    with pytest.raises(ValueError, match=r"shape \[G\]"):
-        group_advantages([[1.0]])  # type: ignore[list-item]
+        one_group([1.0, float("nan")])
     with pytest.raises(ValueError, match=r"shape \[P, G\]"):
         batch_advantages([1.0, 2.0])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"shape \[P, G\]"):
+        batch_advantages([[]])
     with pytest.raises(ValueError, match="eps"):
-        group_advantages([1.0, 2.0], eps=0.0)
+        one_group([1.0, 2.0], eps=0.0)

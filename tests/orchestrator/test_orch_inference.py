@@ -15,13 +15,13 @@ import pytest
 
 from schemas.events import LoraSpec
 from services.bus import Bus, EmbeddedNats
+from services.envs import load_environment
 from services.inference.service import InferenceService
 from services.inference.torch_engine import TorchEngine
 from services.model.loader import load_model
 from services.model.lora import DEFAULT_TARGET_MODULES, MultiLoRA
 from services.orchestrator import rollouts
 from services.orchestrator.client import GenerateClient
-from services.orchestrator.envs import load_environment
 from services.orchestrator.run_loop import RunOrchestrator
 from services.registry.service import Registry
 from services.weights import WeightPublisher

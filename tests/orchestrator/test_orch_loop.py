@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 
+from schemas.records import Progress
 from schemas.subjects import ROLLOUTS_STREAM, rollouts_subject
 from services.bus import Bus
+from services.envs import Prompt, ReverseEnv, load_environment, prompt_token_ids
 from services.orchestrator import rollouts
-from services.orchestrator.envs import Prompt, ReverseEnv, load_environment
 from services.orchestrator.metrics import read_metrics
 from services.orchestrator.run_loop import OrchestratorResult, RunOrchestrator
 from services.orchestrator.state import (
@@ -24,8 +25,8 @@ from services.orchestrator.state import (
     read_checkpoint,
     write_checkpoint,
 )
-from services.registry.progress import Progress, write_progress
 from services.registry.service import Registry
+from services.runs.progress import write_progress
 
 from .conftest import RUN, RegistryFactory, orch_config
 from .replica import ScriptedReplica, announce, eventually, published_steps, rollout_batches
@@ -87,7 +88,7 @@ async def test_publishes_contiguous_scored_steps(
             group = batch.samples[2 * g : 2 * g + 2]
             assert sum(s.advantage for s in group) == pytest.approx(0.0, abs=1e-9)
             assert group[1].advantage == pytest.approx((group[1].reward - group[0].reward) / 2)
-            expected_ids = rollouts.prompt_token_ids(tokenizer, ENV.prompt(batch.step * 2 + g).text)
+            expected_ids = prompt_token_ids(tokenizer, ENV.prompt(batch.step * 2 + g).text)
             assert group[0].prompt_ids == expected_ids and expected_ids[0] == tokenizer.bos_token_id
     # one request per prompt, each with the step's bound and a reproducible seed
     assert sorted(

@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 
 from schemas.events import Completion, GenerateResponse
+from services.envs import load_environment
 from services.model.tokenizer import character_vocab
 from services.orchestrator import rollouts
-from services.orchestrator.envs import load_environment
 
 from .conftest import RUN, orch_config
 
@@ -37,11 +37,6 @@ def test_request_seeds_are_stable_distinct_and_31_bit() -> None:
     # first 8 bytes of sha256("plexrl:7:3:11"), big-endian, low 31 bits (checked with sha256sum)
     assert rollouts.request_seed(7, 3, 11) == 527559641
     assert rollouts.request_seed(7, 3, 11) != rollouts.request_seed(7, 11, 3)
-
-
-def test_prompt_ids_start_with_bos(tokenizer: Any) -> None:
-    ids = rollouts.prompt_token_ids(tokenizer, "ab=")
-    assert ids == [VOCAB["<bos>"], VOCAB["a"], VOCAB["b"], VOCAB["="]]
 
 
 def test_plan_and_request_carry_the_run_settings(tokenizer: Any) -> None:

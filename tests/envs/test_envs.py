@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.orchestrator.envs import (
+from services.envs import (
     BUILTIN_ENVS,
     PROMPT_CHARACTERS,
     AddEnv,
@@ -132,7 +132,7 @@ def plugin_dir(tmp_path: Path) -> Iterator[Path]:
     (pkg / "tasks.py").write_text(
         textwrap.dedent(
             """
-            from services.orchestrator.envs import Environment, Prompt
+            from services.envs import Environment, Prompt
 
             class Echo(Environment):
                 name = "echo"

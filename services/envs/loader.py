@@ -11,9 +11,9 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from services.orchestrator.envs.arithmetic import AddEnv
-from services.orchestrator.envs.base import Environment
-from services.orchestrator.envs.strings import CopyEnv, ReverseEnv
+from services.envs.arithmetic import AddEnv
+from services.envs.base import Environment
+from services.envs.strings import CopyEnv, ReverseEnv
 
 EnvFactory = Callable[..., Environment]
 
@@ -40,7 +40,7 @@ def load_environment(spec: str, seed: int, **env_args: Any) -> Environment:
     if not isinstance(env, Environment):
         raise EnvLoadError(
             f"environment factory {spec!r} returned {type(env).__name__}, not an Environment; "
-            "return an instance of a subclass of services.orchestrator.envs.Environment"
+            "return an instance of a subclass of services.envs.Environment"
         )
     if not isinstance(getattr(env, "name", None), str) or not env.name:
         raise EnvLoadError(

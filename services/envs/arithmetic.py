@@ -16,7 +16,7 @@ model rarely starts with a digit and never stops early, so it scores close to 0.
 
 from __future__ import annotations
 
-from services.orchestrator.envs.base import Environment, Prompt, answer_of
+from services.envs.base import Environment, Prompt, answer_of
 
 
 class AddEnv(Environment):

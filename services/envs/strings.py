@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import string
 
-from services.orchestrator.envs.base import Environment, Prompt, answer_of, position_accuracy
+from services.envs.base import Environment, Prompt, answer_of, position_accuracy
 
 
 class _WordTask(Environment):

@@ -1,30 +1,35 @@
-"""The torch engine's sampling: log-probabilities, mixed-run batches, finish reasons, seeds."""
+"""The shared sampler: log-probabilities, mixed-run batches, finish reasons, seeds."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from inference_support import randomize_slot
 
-from services.inference.generation import SequenceSpec, generate_batch
-from services.inference.sampling import nucleus_logprobs, sample_rows, sequence_seed
 from services.model.loader import load_model
 from services.model.lora import MultiLoRA
+from services.model.sampling import (
+    SequenceSpec,
+    generate_batch,
+    nucleus_logprobs,
+    sample_rows,
+    sequence_seed,
+)
 
 EOS, PAD = 2, 0
 PROMPTS = [[1, 10, 11, 12, 13, 14, 15], [1, 20], [1, 30, 31, 32], [1, 40, 41, 42, 43, 44]]
 
 
 @pytest.fixture(scope="module")
-def model_lora(tiny_dir: Path) -> tuple[Any, MultiLoRA]:
+def model_lora(tiny_dir: Path, randomize: Callable[..., None]) -> tuple[Any, MultiLoRA]:
     """The tiny model with four slots, three of them holding random adapters of various ranks."""
     model, _ = load_model(tiny_dir)
     lora = MultiLoRA.attach(model, n_adapters=4, max_rank=8)
     for idx, (rank, alpha) in enumerate([(8, 16.0), (4, 4.0), (2, 8.0)]):
-        randomize_slot(lora, idx, rank, alpha, seed=100 + idx)
+        randomize(lora, idx, rank, alpha, seed=100 + idx, scale=0.3)
     return model, lora
 
 

@@ -1,0 +1,34 @@
+"""Environments: where a run's prompts come from and how its completions are scored.
+
+A shared library: the orchestrator draws and scores prompts with it, the registry checks that a
+run's ``env`` exists, and the warm start trains the tiny model on its demonstrations. It imports
+neither torch nor any service, so the registry's validation stays light.
+"""
+
+from services.envs.arithmetic import AddEnv
+from services.envs.base import PROMPT_CHARACTERS, Environment, Prompt
+from services.envs.loader import (
+    BUILTIN_ENVS,
+    EnvFactory,
+    EnvLoadError,
+    load_environment,
+)
+from services.envs.prompts import decode_ids, encode_text, prompt_token_ids, score_completion
+from services.envs.strings import CopyEnv, ReverseEnv
+
+__all__ = [
+    "BUILTIN_ENVS",
+    "PROMPT_CHARACTERS",
+    "AddEnv",
+    "CopyEnv",
+    "EnvFactory",
+    "EnvLoadError",
+    "Environment",
+    "Prompt",
+    "ReverseEnv",
+    "decode_ids",
+    "encode_text",
+    "load_environment",
+    "prompt_token_ids",
+    "score_completion",
+]
