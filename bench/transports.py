@@ -7,13 +7,13 @@ deterministic values) and a receiver process (an inference replica) fetches it, 
 - ``raw TCP``, the wire's limit: the receiver, already connected, sends one request byte and the
   sender answers with the tensors' bytes (``sendall`` of each tensor's buffer); the receiver
   ``recv_into``s a preallocated bytearray. No framing, no digest, no tensors built.
-- ``object_store``: the sender serialises (safetensors), hashes and stores the adapter with
-  ``write_blob`` in the JetStream object store of an embedded nats-server (as deployed: file
-  storage, every write synced); the receiver runs ``load_weights``: ``read_blob`` streams the
-  chunks into one buffer and hashes them on the way, then the digest check and the parse.
-- ``filesystem``: the sender writes a PEFT directory (``write_peft_dir``) under a temporary
-  directory; the receiver reads it through the page cache with ``load_weights`` (size, sha256,
-  parse).
+- ``object_store``: the sender encodes the adapter (``EncodedStream``: safetensors header, views
+  of the tensors, BLAKE3) and stores it with ``write_blob`` in the JetStream object store of an
+  embedded nats-server (as deployed: file storage, every write synced); the receiver runs
+  ``load_weights``: the chunks stream into the tensors, hashed as they land, then the digest.
+- ``filesystem``: the sender writes a PEFT directory (``write_weights_dir``) under a temporary
+  directory; the receiver reads it through the page cache with ``load_weights`` (``readinto``
+  the tensors, hashed as they land).
 - ``ucx``: the sender serves an ``EncodedStream`` with ``UcxWeightServer``; the receiver's
   ``UcxWeightClient.fetch`` pulls it over UCX (``UCX_TLS=tcp`` unless set) and verifies it.
 - ``collective``: ``CollectiveSender.send`` broadcasts the stream to the group the receiver
@@ -22,13 +22,20 @@ deterministic values) and a receiver process (an inference replica) fetches it, 
   what arrived. This transport pushes, so its time starts when ``send`` is called (encoding
   done) and ends when ``fetch`` returns; it includes one pipe hop from sender to receiver.
 
-Beside them, two more references measured in the same rounds: ``raw TCP + sha256``, the same
-socket transfer with the receiver hashing what has landed in a second thread while the rest
-arrives (the wire's limit for a transfer that is verified, which every plexrl transport is), and
-the rate at which the receiver hashes (sha256, one core) that many bytes on its own, and
+Beside them, more references measured in the same rounds: ``raw TCP + blake3``, the same
+socket transfer with the receiver hashing what has landed in a second thread (BLAKE3, one
+thread, as the transports do) while the rest arrives (the wire's limit for a transfer that is
+verified, which every plexrl transport is), and the rates at which the receiver hashes that
+many bytes on its own (BLAKE3 one thread, and SHA-256, which publishers announced before), and
 ``core NATS (nats-py)``: the same bytes as plain core-NATS messages of the server's max_payload
 (no JetStream, no digest) from the sender's client to the receiver's, the most any transport
 through the Python NATS client (the object store) can reach.
+
+Each transport is measured twice: into fresh tensors (an adapter on a replica), whose first
+touch of every page is part of the time (about 110 ms per 500 MB here, as much as raw TCP's
+whole transfer of it), and ``in place`` into parameters the receiver already holds, zero-filled
+before the clock starts as raw TCP's buffer is (a replica installing full weights). The second
+compares the transport with the wire like for like.
 
 MB/s = payload bytes / the receiver's time from being handed the announcement (the request, for
 raw TCP) to verified tensors in hand. Per size, the rounds alternate the order of the paths;
@@ -70,6 +77,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, get_args
 
+import blake3
 import torch
 from torch import Tensor
 
@@ -77,14 +85,9 @@ from schemas import decode
 from schemas.events import LoraSpec, Transport, WeightsReady
 from schemas.subjects import weights_object_key, weights_subject
 from services.bus import Bus, EmbeddedNats
-from services.model.peft_io import (
-    ADAPTER_WEIGHTS,
-    adapter_to_bytes,
-    sha256_digest,
-    write_peft_dir,
-)
+from services.model.peft_io import peft_adapter_config, write_weights_dir
 from services.weights import WeightPublisher, delete_blob, load_weights
-from services.weights.object_store import write_blob
+from services.weights.blobs import write_blob
 from services.weights.stream import EncodedStream, byte_view
 
 MB = 1 << 20
@@ -104,8 +107,12 @@ COMMAND_TIMEOUT = 120.0
 """Seconds a process gives one command before answering that it timed out."""
 
 RAW = "raw TCP"
-RAW_HASHED = "raw TCP + sha256"
+RAW_HASHED = "raw TCP + blake3"
 CORE_NATS = "core NATS (nats-py)"
+IN_PLACE = ", in place"
+"""Suffix of a path whose receiver installs into parameters it already holds (as a replica
+installs full weights); without it the receiver gets fresh tensors, whose first-touch page
+faults are part of its time (about 110 ms per 500 MB on this machine)."""
 CORE_SUBJECT = "bench.transports.core"
 Fingerprint = dict[str, tuple[tuple[int, ...], str, int]]
 
@@ -177,15 +184,9 @@ def _event(
     )
 
 
-def _serialise(state: dict[str, Tensor]) -> tuple[bytes, str]:
-    data = adapter_to_bytes(state)
-    return data, sha256_digest(data)
-
-
-def _write_dir(path: Path, state: dict[str, Tensor]) -> tuple[str, int]:
-    write_peft_dir(path, state, LORA.rank, LORA.alpha, LORA.target_modules)
-    data = (path / ADAPTER_WEIGHTS).read_bytes()
-    return sha256_digest(data), len(data)
+def _write_dir(path: Path, stream: EncodedStream) -> None:
+    config = peft_adapter_config(LORA.rank, LORA.alpha, LORA.target_modules)
+    write_weights_dir(path, stream.segments(), config)
 
 
 # --- the two processes ------------------------------------------------------------------------
@@ -282,22 +283,23 @@ class _Sender(_Side):
                 await nc.publish(f"{CORE_SUBJECT}.data", view[start : start + piece].tobytes())
         await nc.flush()
 
-    async def stage(self, transport: Transport, step: int) -> tuple[WeightsReady, float | None]:
+    async def stage(
+        self, transport: Transport, step: int, run_id: str
+    ) -> tuple[WeightsReady, float | None]:
         """Put the payload where the receiver will fetch it from: the announcement to send, and
         for a transport that pushes (collective) when the push began."""
-        run_id = f"run_bench_{transport}"
+        # Every transport sends the tensors' own memory: encoding is the header and the hash.
+        stream = await asyncio.to_thread(EncodedStream.from_state_dict, self.state)
         match transport:
             case "object_store":
-                data, digest = await asyncio.to_thread(_serialise, self.state)
                 key = weights_object_key(run_id, step)
-                await write_blob(self.bus, key, data, digest)
-                return _event(run_id, step, transport, key, digest, len(data)), None
+                await write_blob(self.bus, key, stream.segments(), stream.digest)
+                return _event(run_id, step, transport, key, stream.digest, stream.size), None
             case "filesystem":
                 path = self.workdir / "fs" / run_id / f"step_{step}"
-                digest, size = await asyncio.to_thread(_write_dir, path, self.state)
-                return _event(run_id, step, transport, str(path), digest, size), None
-        # A direct transport sends the tensors' own memory: encoding is the header and the hash.
-        stream = await asyncio.to_thread(EncodedStream.from_state_dict, self.state)
+                await asyncio.to_thread(_write_dir, path, stream)
+                location = str(path)
+                return _event(run_id, step, transport, location, stream.digest, stream.size), None
         pushed = time.monotonic()
         # ucx holds the stream until asked; collective broadcasts it before returning.
         location = await self.endpoints[transport].send(run_id, step, stream)
@@ -330,6 +332,7 @@ class _Receiver(_Side):
     async def start(self) -> None:
         self.done: asyncio.Future[tuple[float, float, Fingerprint]] | None = None
         self.sub: Any = None
+        self.destination: dict[str, Tensor] | None = None
 
     async def prepare(self, transport: str) -> None:
         if transport == "ucx":
@@ -375,15 +378,30 @@ class _Receiver(_Side):
         view.release()
         return seconds, _buffer_fingerprint(buffer, layout)
 
-    async def hash_rate(self, nbytes: int) -> float:
-        """Seconds to sha256 ``nbytes`` on one core (the median of three)."""
+    async def hash_rate(self, nbytes: int, algorithm: str) -> float:
+        """Seconds to hash ``nbytes`` on one core (the median of three)."""
         data = bytearray(nbytes)
         times = []
         for _ in range(3):
             start = time.perf_counter()
-            hashlib.sha256(data)  # on the loop itself: nothing else is waiting on it now
+            # on the loop itself: nothing else is waiting on it now
+            if algorithm == "sha256":
+                hashlib.sha256(data)
+            else:
+                blake3.blake3(data, max_threads=1)
             times.append(time.perf_counter() - start)
         return statistics.median(times)
+
+    async def hold(self, layout: list[tuple[str, tuple[int, ...]]], run_id: str) -> None:
+        """Parameters to install into, as a replica holds them: zero-filled (so their pages
+        exist, like raw TCP's buffer) before the clock starts. A collective replica lands the
+        run's pushes in them from then on, so each size has a run id of its own."""
+        self.destination = {key: torch.zeros(shape) for key, shape in layout}
+        if (receiver := self.endpoints.get("collective")) is not None:
+            receiver.receive_into(run_id, self.destination)
+
+    async def release(self) -> None:
+        self.destination = None
 
     async def fetch(self, event: WeightsReady, pushed: float | None) -> tuple[float, Fingerprint]:
         """Seconds from the announcement (or from the start of a push) to verified tensors."""
@@ -394,7 +412,9 @@ class _Receiver(_Side):
 
     async def _load(self, event: WeightsReady) -> dict[str, Tensor]:
         # The inference path for every transport: a direct one goes to its fetcher.
-        return await load_weights(self.bus, event, self.workdir, fetchers=self.endpoints)
+        return await load_weights(
+            self.bus, event, self.workdir, fetchers=self.endpoints, destination=self.destination
+        )
 
     async def listen(self, run_id: str) -> None:
         """Subscribe to ``run_id``'s WeightsReady; load the first one as soon as it arrives."""
@@ -442,14 +462,14 @@ def _buffer_fingerprint(buffer: bytearray, layout: list[tuple[str, tuple[int, ..
 
 
 def _raw_fetch(port: int, buffer: bytearray, hashed: bool = False) -> float:
-    """Seconds to receive ``buffer``'s worth; ``hashed``: and to sha256 it, in a thread that
+    """Seconds to receive ``buffer``'s worth; ``hashed``: and to BLAKE3 it, in a thread that
     hashes what has landed while the rest arrives (what the direct transports do)."""
     view, received = memoryview(buffer), 0
     progress = threading.Condition()
     digest: list[str] = []
 
     def hash_as_landed() -> None:
-        hasher, done = hashlib.sha256(), 0
+        hasher, done = blake3.blake3(max_threads=1), 0
         while done < len(buffer):
             with progress:
                 while received <= done:
@@ -551,11 +571,18 @@ def transfer(
         return tuple(both(sender, receiver, ("raw_serve",), fetch))  # type: ignore[return-value]
     if path == CORE_NATS:
         return tuple(both(sender, receiver, ("nats_serve",), ("nats_fetch", layout)))  # type: ignore[return-value]
-    event, pushed = sender.call("stage", path, next(_steps))
+    transport, in_place = path.removesuffix(IN_PLACE), path.endswith(IN_PLACE)
+    run_id = f"run_bench_{transport}"
+    if in_place:
+        run_id += f"_in_place_{sum(math.prod(shape) for _, shape in layout)}"
+        receiver.call("hold", layout, run_id)
+    event, pushed = sender.call("stage", transport, next(_steps), run_id)
     try:
         return tuple(receiver.call("fetch", event, pushed))  # type: ignore[return-value]
     finally:
         sender.call("unstage", event)
+        if in_place:
+            receiver.call("release")
 
 
 def throughput(
@@ -570,7 +597,8 @@ def throughput(
     expected = sender.call("payload", int(size_mb * MB))
     layout = [(key, shape) for key, (shape, _, _) in expected.items()]
     nbytes = 4 * sum(math.prod(shape) for _, shape in layout)
-    paths = [RAW, RAW_HASHED, CORE_NATS, *(t for t in transports if t not in unavailable)]
+    available = [t for t in transports if t not in unavailable]
+    paths = [RAW, RAW_HASHED, CORE_NATS, *available, *(t + IN_PLACE for t in available)]
     seconds: dict[str, list[float]] = {p: [] for p in paths}
     failed: dict[str, str] = {}
     for r in range(repeats):
@@ -589,14 +617,17 @@ def throughput(
         raise RuntimeError(f"raw TCP failed at {size_mb:g} MB: {failed[RAW]}")
     raw = nbytes / MB / statistics.median(seconds[RAW])
     verified = nbytes / MB / statistics.median(seconds[RAW_HASHED])
-    sha = nbytes / MB / receiver.call("hash_rate", nbytes)
+    b3 = nbytes / MB / receiver.call("hash_rate", nbytes, "blake3")
+    sha = nbytes / MB / receiver.call("hash_rate", nbytes, "sha256")
     rows = [
         f"| {size_mb:g} MB | {RAW} (loopback) | {raw:,.0f} | 1.00x | {raw / verified:.2f}x "
         "| baseline |",
         f"| {size_mb:g} MB | {RAW_HASHED} as it lands | {verified:,.0f} | {verified / raw:.2f}x "
         "| 1.00x | baseline of a verified transfer |",
+        f"| {size_mb:g} MB | (blake3 alone, one core: not a transport) | {b3:,.0f} "
+        f"| {b3 / raw:.2f}x | {b3 / verified:.2f}x | reference |",
         f"| {size_mb:g} MB | (sha256 alone, one core: not a transport) | {sha:,.0f} "
-        f"| {sha / raw:.2f}x | {sha / verified:.2f}x | reference |",
+        f"| {sha / raw:.2f}x | {sha / verified:.2f}x | reference (older publishers) |",
     ]
     if CORE_NATS in failed:
         rows.append(f"| {size_mb:g} MB | {CORE_NATS} | n/a ({failed[CORE_NATS]}) | — | — | |")
@@ -606,17 +637,19 @@ def throughput(
             f"| {size_mb:g} MB | {CORE_NATS}, max_payload messages, no JetStream | {core:,.0f} "
             f"| {core / raw:.2f}x | {core / verified:.2f}x | reference: the Python client's ceiling |"
         )
-    for transport in transports:
+    for path in [*transports, *(t + IN_PLACE for t in transports)]:
+        transport = path.removesuffix(IN_PLACE)
         target = TARGETS[transport]
         goal = f"≥ {target:.1f}x" if target else "—"
-        why = unavailable.get(transport) or failed.get(transport)
+        why = unavailable.get(transport) or failed.get(path)
+        label = f"{transport} into fresh tensors" if path == transport else path
         if why:
-            rows.append(f"| {size_mb:g} MB | {transport} | n/a ({why}) | — | — | {goal} |")
+            rows.append(f"| {size_mb:g} MB | {label} | n/a ({why}) | — | — | {goal} |")
             continue
-        rate = nbytes / MB / statistics.median(seconds[transport])
+        rate = nbytes / MB / statistics.median(seconds[path])
         verdict = "" if target is None else (" met" if rate / raw >= target else " MISSED")
         rows.append(
-            f"| {size_mb:g} MB | {transport} | {rate:,.0f} | {rate / raw:.2f}x "
+            f"| {size_mb:g} MB | {label} | {rate:,.0f} | {rate / raw:.2f}x "
             f"| {rate / verified:.2f}x | {goal}{verdict} |"
         )
     return rows
@@ -732,7 +765,7 @@ def main() -> None:
         f"torch {torch.__version__}, {os.cpu_count()} CPUs, UCX_TLS={os.environ['UCX_TLS']}, "
         f"MB = 2**20 bytes of float32 tensors; median of the rounds\n"
     )
-    print("| size | transport | MB/s | vs raw TCP | vs raw TCP + sha256 | target (vs raw TCP) |")
+    print("| size | transport | MB/s | vs raw TCP | vs raw TCP + blake3 | target (vs raw TCP) |")
     print("| --- | --- | ---: | ---: | ---: | --- |")
     print("\n".join(rows))
     if e2e_rows:

@@ -8,7 +8,7 @@ it keeps one adapter per run, loads new versions as they are announced, and gene
 A trainer started with ``--full-weights`` trains the model itself for its one run and announces
 whole state dicts (``WeightsReady.kind == "full"``). An engine that supports them installs one
 into its base model's parameters in place; from then on the base model *is* that run's policy,
-which :class:`FullWeights` records, and the engine serves no other run.
+which :class:`InstalledFullWeights` records, and the engine serves no other run.
 """
 
 from __future__ import annotations
@@ -39,10 +39,6 @@ class Job:
     seed: int
 
     @property
-    def num_sequences(self) -> int:
-        return len(self.prompts) * self.n
-
-    @property
     def token_budget(self) -> int:
         """Tokens the job may hold in the KV cache at its longest: prompts plus completions."""
         return self.n * sum(len(p) + self.max_tokens for p in self.prompts)
@@ -69,7 +65,7 @@ may have been written before the failure."""
 
 
 @dataclass(frozen=True)
-class FullWeights:
+class InstalledFullWeights:
     """Whose full weights an engine's base model carries.
 
     ``version`` is the policy version the parameters hold; None when a load failed part-way
@@ -93,7 +89,7 @@ class Engine(Protocol):
     vocab_size: int
     max_model_len: int
     max_lora_rank: int
-    full_weights: FullWeights | None
+    full_weights: InstalledFullWeights | None
     """None while the base model is the one loaded from disk."""
 
     @property

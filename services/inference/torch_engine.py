@@ -38,14 +38,9 @@ import torch
 
 from schemas.events import Completion, WeightsReady
 from services.inference.adapters import AdapterBank, Applied
-from services.inference.generation import (
-    SequenceSpec,
-    eos_token_ids,
-    generate_batch,
-)
-from services.inference.jobs import FullWeights, Job, JobResult, LoadInto, SlotChanged
-from services.inference.sampling import sequence_seed
+from services.inference.jobs import InstalledFullWeights, Job, JobResult, LoadInto, SlotChanged
 from services.model.routing import NO_ADAPTER
+from services.model.sampling import SequenceSpec, eos_token_ids, generate_batch, sequence_seed
 from services.weights.errors import WeightsError
 
 log = logging.getLogger(__name__)
@@ -84,7 +79,7 @@ class TorchEngine:
         self.applied: deque[Applied] = deque(maxlen=4096)
         """Every adapter written into a slot, newest last (for metrics and benchmarks)."""
         self.num_batches = 0
-        self.full_weights: FullWeights | None = None
+        self.full_weights: InstalledFullWeights | None = None
         """Whose full weights the base model carries; None while it is the one from disk."""
         self._listener: Callable[[], None] = lambda: None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plexrl-generate")
@@ -163,7 +158,7 @@ class TorchEngine:
         if full is not None and full.run_id == run_id and full.version is not None:
             # The parameters stay what they are: a run of the same id created again must not be
             # served them as its version 0.
-            self.full_weights = FullWeights(
+            self.full_weights = InstalledFullWeights(
                 run_id,
                 None,
                 f"{run_id} was removed while this replica's base model carried its full weights "
@@ -215,7 +210,7 @@ class TorchEngine:
                 # Only a WeightsError says whether nothing was written; anything else may have
                 # stopped the load half way.
                 if not isinstance(exc, WeightsError) or exc.touched:
-                    self.full_weights = FullWeights(
+                    self.full_weights = InstalledFullWeights(
                         event.run_id,
                         None,
                         f"the full weights of {event.run_id} at step {event.step} failed to "
@@ -224,7 +219,7 @@ class TorchEngine:
                     )
                     self._listener()
                 raise
-            self.full_weights = FullWeights(event.run_id, event.step)
+            self.full_weights = InstalledFullWeights(event.run_id, event.step)
         log.info(
             "full weights of %s at step %d installed in place in %.3fs",
             event.run_id,

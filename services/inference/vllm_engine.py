@@ -41,9 +41,9 @@ from typing import Any
 import torch
 
 from schemas.events import Completion, WeightsReady
-from services.inference.jobs import FullWeights, Job, JobResult, LoadInto, SlotChanged
-from services.inference.sampling import sequence_seed
+from services.inference.jobs import InstalledFullWeights, Job, JobResult, LoadInto, SlotChanged
 from services.model.peft_io import write_peft_dir
+from services.model.sampling import sequence_seed
 
 _VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -87,7 +87,7 @@ class VllmEngine:
         self.gpu_memory_utilization = gpu_memory_utilization
         self.dtype = dtype
         self._runs: dict[int, _RunAdapter] = {}
-        self.full_weights: FullWeights | None = None  # never set: full weights are refused
+        self.full_weights: InstalledFullWeights | None = None  # never set: full weights are refused
         self.write_guard: AbstractContextManager[Any] | None = None
         self._lora_ids = itertools.count(1)
         self._listener: Callable[[], None] = lambda: None

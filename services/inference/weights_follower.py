@@ -1,9 +1,9 @@
 """Follows ``PLEXRL_WEIGHTS`` so that every replica loads every run's newest adapter.
 
 Replicas do not share this work: each one needs every adapter. So each follows the stream with
-its own ordered consumer (ephemeral, unacknowledged, flow-controlled), starting from the last
-message of every subject: a fresh replica catches up on each run's newest WeightsReady at once
-and then follows new ones.
+its own :class:`~services.bus.Follower` (an ordered consumer: ephemeral, unacknowledged,
+flow-controlled), starting from the last message of every subject: a fresh replica catches up on
+each run's newest WeightsReady at once and then follows new ones.
 
 Per run, the newest announcement waiting wins: while one adapter loads, later ones of the same
 run replace each other, so a replica that falls behind skips versions instead of replaying them.
@@ -31,15 +31,13 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from nats.aio.msg import Msg
-from nats.js import api
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from torch import Tensor
 
 from schemas import subjects as sj
-from schemas.codec import DecodeError, decode
+from schemas.codec import DecodeError
 from schemas.events import WeightsReady
-from services.bus import Bus, tracing
+from services.bus import Bus, Follower, MessageMeta, tracing
 from services.inference.jobs import LoadInto
 from services.weights.loader import WeightsError, load_weights
 from services.weights.transport import WeightFetcher
@@ -91,40 +89,30 @@ class WeightsFollower:
         """``time.monotonic()`` at which the stream stored each announcement (its publish)."""
         self._mailbox: dict[str, tuple[WeightsReady, dict[str, str]]] = {}
         self._workers: dict[str, asyncio.Task[None]] = {}
-        self._sub: Any = None
+        self._follower = Follower(
+            bus,
+            sj.WEIGHTS_STREAM,
+            sj.WEIGHTS_WILDCARD,
+            WeightsReady,
+            self._on_event,
+            start="last_per_subject",
+        )
         self._tracer = tracing.tracer(f"plexrl.{bus.service}")
 
     async def start(self) -> None:
-        if self._sub is None:
-            self._sub = await self.bus.js.subscribe(
-                sj.WEIGHTS_WILDCARD,
-                stream=sj.WEIGHTS_STREAM,
-                cb=self._on_msg,
-                ordered_consumer=True,
-                deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
-            )
+        await self._follower.start()
 
     async def stop(self) -> None:
-        sub, self._sub = self._sub, None
-        if sub is not None and not self.bus.nc.is_closed:
-            try:
-                await sub.unsubscribe()
-            except Exception as exc:  # the connection may be closing under us
-                log.debug("weights follower: unsubscribe failed: %s", exc)
+        await self._follower.stop()
         workers = list(self._workers.values())
         for task in workers:
             task.cancel()
         await asyncio.gather(*workers, return_exceptions=True)
 
-    async def _on_msg(self, msg: Msg) -> None:
-        headers = dict(msg.headers or {})
-        try:
-            event: WeightsReady = decode(msg.data, WeightsReady, headers.get("Content-Type"))
-            if sj.weights_subject(event.run_id) != msg.subject:
-                raise DecodeError(f"a WeightsReady for {event.run_id} arrived on {msg.subject}")
-        except DecodeError as exc:
-            await self.bus.report_invalid(msg.subject, str(exc), msg.data)
-            return
+    def _on_event(self, seq: int, event: WeightsReady, meta: MessageMeta) -> None:
+        if sj.weights_subject(event.run_id) != meta.subject:
+            # The follower reports it as invalid and skips it.
+            raise DecodeError(f"a WeightsReady for {event.run_id} arrived on {meta.subject}")
         if len(self.received_at) >= 4096:  # a bounded record: forget the oldest half
             for key in list(self.received_at)[:2048]:
                 del self.received_at[key]
@@ -132,8 +120,9 @@ class WeightsFollower:
         self.received_at[(event.run_id, event.step)] = now = time.monotonic()
         # When the stream stored the announcement, on this process's monotonic clock (the
         # server's wall clock and ours are the same machine's, or NTP-close).
-        self.published_at[(event.run_id, event.step)] = now - max(0.0, _age(msg))
-        self.submit(event, headers)
+        age = time.time() - meta.time.timestamp()
+        self.published_at[(event.run_id, event.step)] = now - max(0.0, age)
+        self.submit(event, dict(meta.headers))
 
     def submit(self, event: WeightsReady, headers: dict[str, str] | None = None) -> None:
         """Queue ``event`` for loading (also used to replay one held back for an unknown run)."""
@@ -225,11 +214,3 @@ class WeightsFollower:
             )
 
         await self.install_full(event, load)
-
-
-def _age(msg: Msg) -> float:
-    """Seconds since the stream stored ``msg`` (0 for a message without JetStream metadata)."""
-    try:
-        return time.time() - msg.metadata.timestamp.timestamp()
-    except Exception:
-        return 0.0

@@ -2,19 +2,19 @@
 
 Every weight transport carries an adapter as safetensors bytes with PEFT key names
 (``base_model.model.<module path>.lora_A.weight`` [r, in] and ``...lora_B.weight`` [out, r]).
-``WeightsReady.digest`` is the sha256 of exactly those bytes, so a receiver checks what it got
-before loading it. The filesystem transport writes a PEFT directory (``adapter_config.json`` and
-``adapter_model.safetensors``) that ``PeftModel.from_pretrained`` and vLLM load as it is.
+``WeightsReady.digest`` is the digest of exactly those bytes (:mod:`services.weights.digest`), so
+a receiver checks what it got before loading it. The filesystem transport writes a PEFT
+directory (``adapter_config.json`` and ``adapter_model.safetensors``) that
+``PeftModel.from_pretrained`` and vLLM load as it is.
 
-Full weights (a trainer without LoRA) are the model's state dict with Hugging Face key names,
-as a safetensors stream (:class:`services.weights.stream.EncodedStream`); the filesystem
-transport writes it to :data:`FULL_WEIGHTS_FILE` in a directory of its own, written from the
-tensors' memory piece by piece, never assembled in one buffer.
+Full weights (a trainer without LoRA) are the model's state dict with Hugging Face key names;
+the filesystem transport writes them to :data:`FULL_WEIGHTS_FILE` in a directory of its own.
+Either file is written from the tensors' memory piece by piece
+(:class:`services.weights.stream.EncodedStream`), never assembled in one buffer.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -58,11 +58,6 @@ def adapter_from_bytes(data: bytes) -> dict[str, torch.Tensor]:
     if not state:
         raise AdapterFormatError("the safetensors data holds no tensors")
     return state
-
-
-def sha256_digest(data: bytes) -> str:
-    """``sha256:<hex>`` of ``data``, the form ``WeightsReady.digest`` carries."""
-    return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 def peft_adapter_config(
@@ -118,21 +113,31 @@ def write_peft_dir(
     return _replace_dir(Path(path), fill)
 
 
-def write_full_weights_dir(path: Path | str, pieces: Iterable[memoryview | bytes]) -> Path:
-    """Write ``pieces``, one after the other, to ``path``/:data:`FULL_WEIGHTS_FILE`, atomically
-    as :func:`write_peft_dir` writes; returns the path.
+def write_weights_dir(
+    path: Path | str,
+    pieces: Iterable[memoryview | bytes],
+    adapter_config: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write ``pieces``, one after the other, into a directory at ``path``, atomically as
+    :func:`write_peft_dir` writes; returns the path.
 
-    ``pieces`` are the safetensors stream of a model's state dict
-    (:meth:`EncodedStream.segments <services.weights.stream.EncodedStream.segments>`): the
-    header, then each tensor's own memory, so the file is written without a serialised copy.
+    ``pieces`` are a safetensors stream (:meth:`EncodedStream.segments
+    <services.weights.stream.EncodedStream.segments>`: the header, then each tensor's own
+    memory), so the file is written without a serialised copy. With ``adapter_config``
+    (:func:`peft_adapter_config`) they are an adapter: :data:`ADAPTER_WEIGHTS` beside
+    :data:`ADAPTER_CONFIG`, a PEFT directory; without, full weights: :data:`FULL_WEIGHTS_FILE`.
     """
+    name = FULL_WEIGHTS_FILE if adapter_config is None else ADAPTER_WEIGHTS
 
     def fill(staging: Path) -> None:
-        with (staging / FULL_WEIGHTS_FILE).open("wb", buffering=0) as file:
+        with (staging / name).open("wb", buffering=0) as file:
             for piece in pieces:
                 view = memoryview(piece).cast("B")
                 while len(view):  # a raw write may take less than it was given
                     view = view[file.write(view) :]
+        if adapter_config is not None:
+            text = json.dumps(adapter_config, indent=2, sort_keys=True) + "\n"
+            (staging / ADAPTER_CONFIG).write_text(text)
 
     return _replace_dir(Path(path), fill)
 

@@ -1,37 +1,48 @@
 """How weights travel from the trainer to inference (a run's adapter, or under full-weight mode
-the whole model): store, announce, fetch, verify.
+the whole model): encode, store or offer, announce, fetch, verify.
 
-- :mod:`services.weights.object_store`: blobs in the JetStream object store ``plexrl-weights``,
-  read and written at stream speed.
-- :mod:`services.weights.publisher`: the trainer side; stores a run's adapter after a step,
-  publishes WeightsReady and removes old versions.
-- :mod:`services.weights.loader`: the inference side; fetches what a WeightsReady announces and
-  checks its size and digest before parsing it.
+- :mod:`services.weights.transport`: the one interface of a transport (a sender in the trainer,
+  a fetcher on each replica) and the table that names them.
+- One module per transport: :mod:`~services.weights.object_store` (the JetStream object store
+  ``plexrl-weights``, over :mod:`~services.weights.blobs`), :mod:`~services.weights.filesystem`
+  (a directory per version), :mod:`~services.weights.ucx` (straight from the trainer's memory;
+  imports ucxx only when used), :mod:`~services.weights.collective` (a torch.distributed
+  broadcast group that re-forms as replicas come and go).
+- :mod:`services.weights.publisher`: the trainer side; publishes WeightsReady and removes old
+  versions, whatever the transport.
+- :mod:`services.weights.loader`: the inference side; the transport's fetcher receives what a
+  WeightsReady announces.
 - :mod:`services.weights.stream`: a state dict as a safetensors byte stream, encoded and decoded
-  in place, for the direct transports.
-- :mod:`services.weights.transport`: the sender and fetcher interfaces of a direct transport.
-- :mod:`services.weights.ucx`: the ``ucx`` transport (imports ucxx only when used).
-- :mod:`services.weights.collective`: the ``collective`` transport, a torch.distributed broadcast
-  group of the trainer and the replicas that re-forms as members come and go.
+  in place; :mod:`services.weights.header` parses and checks its header;
+  :mod:`services.weights.buckets` cuts it into messages.
+- :mod:`services.weights.digest`: ``blake3:`` (or older ``sha256:``) digests, checked in one place.
 """
 
-from services.weights.loader import WeightsError, load_weights
-from services.weights.object_store import (
+from services.weights.blobs import (
     BlobError,
     BlobNotFoundError,
     delete_blob,
     get_blob,
     put_blob,
 )
+from services.weights.loader import WeightsError, load_weights
 from services.weights.publisher import WeightPublisher
 from services.weights.stream import CHUNK_BYTES, EncodedStream, StreamDecoder
-from services.weights.transport import WeightFetcher, WeightSender, unavailable_reason
+from services.weights.transport import (
+    TRANSPORTS,
+    SenderOptions,
+    WeightFetcher,
+    WeightSender,
+    unavailable_reason,
+)
 
 __all__ = [
     "CHUNK_BYTES",
+    "TRANSPORTS",
     "BlobError",
     "BlobNotFoundError",
     "EncodedStream",
+    "SenderOptions",
     "StreamDecoder",
     "WeightFetcher",
     "WeightPublisher",

@@ -4,6 +4,8 @@ The layout is the standard NATS object store, so any client (nats CLI, Go, nats-
 ``ObjectStore``) reads what this module writes and the other way round: the chunks of an object
 are messages on ``$O.<bucket>.C.<nuid>`` in the stream ``OBJ_<bucket>``, and its description
 (nuid, size, chunk count, ``SHA-256=`` digest) is the last message on ``$O.<bucket>.M.<b64 key>``.
+The SHA-256 digest is the store's own (every client checks it); the digest a WeightsReady
+announces (BLAKE3) is recorded beside it, in the description's header :data:`DIGEST_HEADER`.
 
 Three things differ from nats-py's ``ObjectStore.put``/``get``, for speed and for memory:
 
@@ -54,7 +56,6 @@ from nats.nuid import NUID
 
 from schemas.subjects import OBJECT_STORE_WEIGHTS
 from services.bus import Bus
-from services.model.peft_io import sha256_digest
 
 BUCKET = OBJECT_STORE_WEIGHTS
 STREAM = OBJ_STREAM_TEMPLATE.format(bucket=BUCKET)
@@ -69,6 +70,9 @@ the bytes a slow server leaves queued in the client."""
 
 STALL_CHECK = 1.0
 """Seconds without a chunk after which a reader checks that the object still exists as it was."""
+
+DIGEST_HEADER = "Plexrl-Digest"
+"""The description's header that records the digest the weights were announced with."""
 
 ACK_TIMEOUT = 30.0
 """Seconds to wait for the acknowledgement of one chunk or of the object's description."""
@@ -111,7 +115,7 @@ Sink = Callable[[bytes], None]
 
 async def put_blob(bus: Bus, key: str, data: bytes) -> None:
     """Store ``data`` under ``key``, replacing (and purging) any previous object of that key."""
-    await write_blob(bus, key, data, sha256_digest(data))
+    await write_blob(bus, key, data)
 
 
 async def get_blob(
@@ -150,13 +154,15 @@ async def list_keys(bus: Bus, timeout: float = 30.0) -> list[str]:
     return [info.name for info in infos if not info.deleted]
 
 
-async def write_blob(bus: Bus, key: str, data: Pieces, digest: str) -> None:
-    """:func:`put_blob` for a caller that already holds ``digest``, the sha256 of ``data``.
+async def write_blob(bus: Bus, key: str, data: Pieces, announced: str | None = None) -> None:
+    """:func:`put_blob` of ``data``: one buffer, or buffers that follow each other
+    (:meth:`EncodedStream.segments <services.weights.stream.EncodedStream.segments>`), cut into
+    chunks across their boundaries, so only one chunk at a time is copied.
 
-    The publisher hashes what it stores for its WeightsReady event anyway; passing the digest
-    in saves hashing the same bytes twice. ``data`` is one buffer, or buffers that follow each
-    other (:meth:`EncodedStream.segments <services.weights.stream.EncodedStream.segments>`),
-    cut into chunks across their boundaries: only one chunk at a time is copied.
+    The store's SHA-256 digest is computed on another thread while the chunks are published.
+    ``announced``, the digest a WeightsReady gives these bytes, is recorded in the description
+    (:data:`DIGEST_HEADER`), so a reader can tell before reading whether the object is the one
+    announced (:func:`stream_blob`).
     """
     store = (await _bucket(bus)).store
     _valid_key(key)
@@ -168,7 +174,8 @@ async def write_blob(bus: Bus, key: str, data: Pieces, digest: str) -> None:
     chunk_size = max(1, min(CHUNK_SIZE, max_payload))
     nuid = _nuid.next().decode()
     chunk_subject = _chunk_subject(nuid)
-    pieces = [data] if isinstance(data, bytes | bytearray | memoryview) else data
+    pieces = [data] if isinstance(data, bytes | bytearray | memoryview) else list(data)
+    hashing = asyncio.ensure_future(asyncio.to_thread(_sha256, pieces))
     size = num_chunks = 0
     in_flight: deque[asyncio.Future[api.PubAck]] = deque()
     try:
@@ -180,6 +187,7 @@ async def write_blob(bus: Bus, key: str, data: Pieces, digest: str) -> None:
             num_chunks += 1
         while in_flight:
             await asyncio.wait_for(in_flight.popleft(), ACK_TIMEOUT)
+        digest = await hashing
         info = api.ObjectInfo(
             name=key,
             bucket=BUCKET,
@@ -187,7 +195,9 @@ async def write_blob(bus: Bus, key: str, data: Pieces, digest: str) -> None:
             size=size,
             chunks=num_chunks,
             mtime=datetime.now(UTC).isoformat(),
-            digest=OBJ_DIGEST_TYPE + _b64_digest(digest),
+            digest=OBJ_DIGEST_TYPE + base64.urlsafe_b64encode(digest).decode(),
+            # Go's client reads headers as lists of strings.
+            headers={DIGEST_HEADER: [announced]} if announced else None,
             options=api.ObjectMetaOptions(max_chunk_size=chunk_size),
         )
         # The rollup header makes the server keep only this description of the key.
@@ -200,6 +210,7 @@ async def write_blob(bus: Bus, key: str, data: Pieces, digest: str) -> None:
     except (TimeoutError, nats.errors.Error) as exc:
         for fut in in_flight:
             fut.cancel()
+        await asyncio.gather(hashing, return_exceptions=True)
         # Chunks that no description points to would never be read or deleted. Removing them
         # is best effort: when the server is gone this fails too, and the error that matters
         # is the one below.
@@ -255,12 +266,12 @@ async def stream_blob(
 ) -> None:
     """Hand the chunks stored under ``key`` to ``sink``, in order, without keeping them.
 
-    ``expected_size`` and ``expected_digest`` (``sha256:<hex>``) are checked against the
-    object's description before the first chunk is read, so an object replaced by other bytes
-    is refused before anything reaches ``sink``. The bytes themselves are not hashed here: the
-    sink checks what it received (:meth:`StreamDecoder.finish
-    <services.weights.stream.StreamDecoder.finish>`), against the digest checked to be the
-    object's. Whatever ``sink`` raises ends the read and propagates. :class:`BlobNotFoundError`
+    ``expected_size`` and ``expected_digest`` (as announced) are checked against the object's
+    description before the first chunk is read (the digest against the one recorded at
+    :func:`write_blob`, or a ``sha256:`` one against the store's own), so an object replaced
+    by other bytes is refused before anything reaches ``sink``. The bytes themselves are not
+    hashed here: the sink checks what it received (:meth:`StreamDecoder.finish
+    <services.weights.stream.StreamDecoder.finish>`). Whatever ``sink`` raises ends the read and propagates. :class:`BlobNotFoundError`
     for a missing key (or one deleted while it was read), :class:`BlobError` for the rest: an
     object overwritten while read is not followed, since part of it reached ``sink`` already.
     """
@@ -281,13 +292,18 @@ async def stream_blob(
 def _check_expected(key: str, info: api.ObjectInfo, size: int | None, digest: str | None) -> None:
     if size is not None and info.size != size:
         raise BlobError(f"object {key!r} holds {info.size} bytes, {size} were expected")
-    if digest is not None and info.digest:
-        stored = _raw_digest(info.digest)
-        if stored != bytes.fromhex(digest.removeprefix("sha256:")):
-            raise BlobError(
-                f"object {key!r} holds other bytes than expected: its digest is "
-                f"sha256:{stored.hex()}, {digest} was expected (overwritten since?)"
-            )
+    if digest is None:
+        return
+    recorded = (info.headers or {}).get(DIGEST_HEADER)
+    if isinstance(recorded, list):
+        recorded = recorded[0] if recorded else None
+    if recorded is None and digest.startswith("sha256:") and info.digest:
+        recorded = "sha256:" + _raw_digest(info.digest).hex()
+    if recorded is not None and recorded != digest:
+        raise BlobError(
+            f"object {key!r} holds other bytes than expected: its digest is {recorded}, "
+            f"{digest} was expected (digest mismatch; overwritten since?)"
+        )
 
 
 class _Assembly:
@@ -460,9 +476,11 @@ def _meta_subject(key: str) -> str:
     return OBJ_META_PRE_TEMPLATE.format(bucket=BUCKET, obj=encoded)
 
 
-def _b64_digest(digest: str) -> str:
-    """``sha256:<hex>`` as the object store writes it: URL-safe base64 of the raw digest."""
-    return base64.urlsafe_b64encode(bytes.fromhex(digest.removeprefix("sha256:"))).decode()
+def _sha256(pieces: list[bytes | bytearray | memoryview]) -> bytes:
+    hasher = hashlib.sha256()
+    for piece in pieces:
+        hasher.update(piece)
+    return hasher.digest()
 
 
 def _raw_digest(digest: str) -> bytes:

@@ -1,40 +1,81 @@
-"""The two ends of a direct weight transport, and whether one can run on this machine.
+"""One interface for every weight transport, and the table that names them.
 
-The object store and the filesystem are built into the publisher and the loader. A direct
-transport (``ucx``, ``collective``) plugs in as a :class:`WeightSender` on the trainer, which
-holds or pushes an :class:`~services.weights.stream.EncodedStream` and says where it is, and a
-:class:`WeightFetcher` on each inference replica, which receives what a WeightsReady announces.
+A transport has two ends. Its :class:`WeightSender` runs in the trainer: it stores or offers a
+run's :class:`~services.weights.stream.EncodedStream` at a step and says where (the WeightsReady
+``location``), lists what an earlier trainer left, and removes old versions. Its
+:class:`WeightFetcher` runs on each inference replica: it receives what a WeightsReady announces
+through a :class:`~services.weights.stream.StreamDecoder`, whose ``finish`` checks the size and
+the digest (the one place they are checked).
+
+:data:`TRANSPORTS` maps each name to its module (imported when used, so ``ucxx`` and
+torch.distributed load only where chosen). A module provides ``sender(bus, output_dir,
+keep_last, options)``, ``fetcher(bus, output_dir)`` (None when a replica must set one up itself,
+as a collective replica joins its group at start-up) and ``unavailable()``, why it cannot run
+here or None. The publisher and the loader pick a transport from this table and nothing else.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 from collections.abc import Collection, Mapping
-from typing import Protocol
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import Tensor
 
 from schemas.events import WeightsReady
-from services.weights.stream import EncodedStream
 
-DIRECT_TRANSPORTS = ("ucx", "collective")
+if TYPE_CHECKING:
+    from services.bus import Bus
+    from services.weights.stream import EncodedStream
+
+TRANSPORTS: dict[str, str] = {
+    "object_store": "services.weights.object_store",
+    "filesystem": "services.weights.filesystem",
+    "ucx": "services.weights.ucx",
+    "collective": "services.weights.collective",
+}
+
+
+@dataclass(frozen=True)
+class SenderOptions:
+    """Where the trainer end of a direct transport listens: the address replicas reach it on
+    (written into each location) and its port, 0 for a free one."""
+
+    ucx_host: str = "127.0.0.1"
+    ucx_port: int = 0
+    collective_host: str = "127.0.0.1"
+    collective_port: int = 0
+    collective_bucket_bytes: int = 32 << 20
 
 
 class WeightSender(Protocol):
-    """The trainer's end: makes a run's adapter at a step available and says where."""
+    """The trainer's end: makes a run's weights at a step available and says where."""
 
     name: str
+    in_memory: bool
+    """Whether versions are held in the trainer's memory (of a whole model, keep only one)."""
 
     async def start(self) -> None:
         """Listen, join a group: whatever must be up before the first :meth:`send`."""
         ...
 
-    async def send(self, run_id: str, step: int, stream: EncodedStream) -> str:
-        """Offer ``stream`` as ``run_id``'s weights at ``step``; the WeightsReady location."""
+    async def send(
+        self, run_id: str, step: int, stream: EncodedStream, adapter_config: Any = None
+    ) -> str:
+        """Offer ``stream`` as ``run_id``'s weights at ``step``; the WeightsReady location.
+        ``adapter_config`` is the PEFT ``adapter_config.json`` of an adapter (None: full
+        weights), for a transport that writes a directory PEFT and vLLM load."""
         ...
 
-    async def forget(self, run_id: str, steps: Collection[int]) -> None:
-        """Drop what is held of those steps (garbage collection of old versions)."""
+    async def stored(self, run_id: str) -> set[int]:
+        """The steps of ``run_id`` held now, e.g. left by an earlier trainer."""
+        ...
+
+    async def forget(self, run_id: str, steps: Collection[int]) -> set[int]:
+        """Drop those steps (garbage collection of old versions); the ones now gone."""
         ...
 
     async def close(self) -> None: ...
@@ -54,37 +95,30 @@ class WeightFetcher(Protocol):
     async def close(self) -> None: ...
 
 
-def unavailable_reason(transport: str, *, ucx_module: str = "ucxx") -> str | None:
-    """Why ``transport`` cannot run in this process, or None when it can.
+def module(transport: str) -> ModuleType:
+    """The module of ``transport``; ValueError for a name not in :data:`TRANSPORTS`."""
+    if transport not in TRANSPORTS:
+        raise ValueError(
+            f"weight transport {transport!r} is not known to this build: use "
+            + ", ".join(repr(t) for t in TRANSPORTS)
+        )
+    return importlib.import_module(TRANSPORTS[transport])
 
-    ``ucx`` needs the ``ucxx`` package (``pip install -e '.[ucx]'``) to import; ``collective``
-    needs torch.distributed and :mod:`services.weights.collective`. ``ucx_module`` names the
-    module to try, so a test can point it at one that is missing.
-    """
-    if transport == "ucx":
-        try:
-            from services.weights.ucx import import_ucxx
 
-            import_ucxx(ucx_module)
-        except ImportError as exc:
-            return (
-                f"weight transport 'ucx' needs the {ucx_module!r} package, which cannot be "
-                f"imported here ({exc}); install it with pip install -e '.[ucx]' or choose "
-                "another transport"
-            )
-        return None
-    if transport == "collective":
-        import torch.distributed
+def make_sender(
+    transport: str, bus: Bus, output_dir: Path, keep_last: int, options: SenderOptions
+) -> WeightSender:
+    sender: WeightSender = module(transport).sender(bus, output_dir, keep_last, options)
+    return sender
 
-        if not torch.distributed.is_available():
-            return (
-                "weight transport 'collective' needs torch.distributed, which this torch "
-                "build does not have; choose another transport"
-            )
-        if importlib.util.find_spec("services.weights.collective") is None:
-            return (
-                "weight transport 'collective' is not part of this build "
-                "(services.weights.collective is missing); choose another transport"
-            )
-        return None
-    return None
+
+def default_fetcher(transport: str, bus: Bus, output_dir: Path | None) -> WeightFetcher | None:
+    fetcher: WeightFetcher | None = module(transport).fetcher(bus, output_dir)
+    return fetcher
+
+
+def unavailable_reason(transport: str, **checks: str) -> str | None:
+    """Why ``transport`` cannot run in this process, or None when it can. ``checks`` go to the
+    transport's own check (``ucx_module="..."`` points the ``ucx`` one at another package)."""
+    reason: str | None = module(transport).unavailable(**checks)
+    return reason

@@ -15,9 +15,9 @@ from schemas.subjects import GENERATE
 from services.bus import Bus
 from services.config import SettingsError, load_settings
 from services.inference.cli import build_engine
-from services.inference.generation import SequenceSpec, generate_batch
 from services.inference.service import InferenceService
 from services.inference.settings import InferenceSettings
+from services.model.sampling import SequenceSpec, generate_batch
 from services.weights import WeightPublisher
 from services.weights.collective import CollectiveSender
 

@@ -10,10 +10,9 @@ import pytest
 from inference_support import LORA_TARGETS, lora_spec, random_adapter
 
 from schemas.events import WeightsReady
-from services.inference.generation import SequenceSpec, generate_batch
 from services.inference.jobs import Job, SlotChanged
-from services.inference.sampling import sequence_seed
 from services.inference.torch_engine import TorchEngine
+from services.model.sampling import SequenceSpec, generate_batch, sequence_seed
 
 DIGEST = "sha256:" + "0" * 64
 

@@ -21,14 +21,14 @@ from test_inference_service import ErrorWatch
 from schemas.events import GenerateRequest, GenerateResponse, ServiceError, WeightsReady
 from schemas.subjects import GENERATE, weights_object_key, weights_subject
 from services.bus import Bus
-from services.inference.generation import SequenceSpec, generate_batch
-from services.inference.jobs import FullWeights, Job, SlotChanged
+from services.inference.jobs import InstalledFullWeights, Job, SlotChanged
 from services.inference.torch_engine import TorchEngine
 from services.inference.vllm_engine import VllmEngine
 from services.model.loader import load_model
 from services.model.lora import NO_ADAPTER, MultiLoRA
+from services.model.sampling import SequenceSpec, generate_batch
 from services.weights import EncodedStream, WeightPublisher, WeightsError
-from services.weights.object_store import write_blob
+from services.weights.blobs import write_blob
 
 PROMPTS = [[1, 10, 11, 12], [1, 20]]
 EOS = [2]
@@ -153,7 +153,7 @@ async def test_full_weights_are_installed_in_place_and_serve_the_trained_model(
             for completion in group:
                 want = reference.logprobs(trained, prompt, completion.token_ids)
                 assert completion.logprobs == pytest.approx(want, abs=1e-4)
-        assert engine.full_weights == FullWeights(run_id, 1)
+        assert engine.full_weights == InstalledFullWeights(run_id, 1)
         assert _holds(engine, trained)
         assert _pointers(engine) == before  # written into the parameters, not replacing them
         assert service.follower.tries[(run_id, 1)] == 1
@@ -228,7 +228,7 @@ async def test_a_corrupted_full_blob_leaves_the_run_unserved_until_a_good_versio
         await publisher.publish(run_id, 3, 3, trained, lora_spec(), kind="full")
         resp = await waiting
         assert resp.policy_version == 3 and _tokens(resp) == reference.greedy(trained, PROMPTS)
-        assert engine.full_weights == FullWeights(run_id, 3)
+        assert engine.full_weights == InstalledFullWeights(run_id, 3)
 
 
 async def test_full_weights_that_do_not_fit_keep_the_previous_version(
@@ -251,7 +251,7 @@ async def test_full_weights_that_do_not_fit_keep_the_previous_version(
         assert "at step 2 rejected after 2 attempts, the previous version stays" in report.error
         assert "model.norm.weight" in report.error
         assert report.context["touched"] == "False"
-        assert engine.full_weights == FullWeights(run_id, 1)
+        assert engine.full_weights == InstalledFullWeights(run_id, 1)
         assert _holds(engine, good)
         resp = await _ask(bus, _request(run_id, min_policy_version=1))
         assert resp.policy_version == 1 and _tokens(resp) == reference.greedy(good, PROMPTS)
@@ -428,7 +428,7 @@ async def test_an_install_waits_for_the_running_batch_and_holds_the_next_one_off
     assert old.policy_version == 0 and len(old.completions[0][0].token_ids) == 200
     assert new.policy_version == 1
     assert [g[0].token_ids for g in new.completions] == reference.greedy(trained, PROMPTS)
-    assert engine.full_weights == FullWeights("run_full", 1)
+    assert engine.full_weights == InstalledFullWeights("run_full", 1)
     assert engine.available_version(0, "run_full") == 1
     assert engine.available_version(1, "run_other") is None
     with pytest.raises(SlotChanged):
@@ -460,7 +460,7 @@ async def test_a_failed_install_keeps_or_withdraws_the_version_as_the_error_says
     assert await engine.install_full(_event("run_full", 1), loader(first))
     with pytest.raises(WeightsError, match="header"):
         await engine.install_full(_event("run_full", 2), loader(None, WeightsError("bad header")))
-    assert engine.full_weights == FullWeights("run_full", 1)
+    assert engine.full_weights == InstalledFullWeights("run_full", 1)
     assert _holds(engine, first)
     assert (await engine.generate(_job("run_full", 0))).policy_version == 1
     torn = WeightsError("digest mismatch", touched=True)
@@ -472,7 +472,7 @@ async def test_a_failed_install_keeps_or_withdraws_the_version_as_the_error_says
     with pytest.raises(SlotChanged):
         await engine.generate(_job("run_full", 0))
     assert await engine.install_full(_event("run_full", 4), loader(last))
-    assert engine.full_weights == FullWeights("run_full", 4)
+    assert engine.full_weights == InstalledFullWeights("run_full", 4)
     result = await engine.generate(_job("run_full", 0))
     assert result.policy_version == 4
     assert [g[0].token_ids for g in result.completions] == reference.greedy(last, PROMPTS)

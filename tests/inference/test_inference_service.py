@@ -19,9 +19,9 @@ from schemas.events import (
 )
 from schemas.subjects import GENERATE, errors_subject, weights_subject
 from services.bus import Bus
-from services.inference.generation import SequenceSpec, generate_batch
 from services.inference.requests import REPLICA_HEADER
 from services.inference.service import SYNC_INTERVAL
+from services.model.sampling import SequenceSpec, generate_batch
 from services.weights import WeightPublisher
 
 PROMPTS = [[1, 10, 11, 12], [1, 20]]

@@ -172,7 +172,7 @@ def test_the_publisher_is_built_for_the_chosen_transport(tmp_path: Path):
         5,
     )
     plain = build_publisher(TrainerSettings(model=tmp_path), bus)
-    assert (plain.transport, plain.sender) == ("object_store", None)
+    assert (plain.transport, plain.sender.name) == ("object_store", "object_store")
 
 
 def test_the_collective_publisher_gets_a_collective_sender(tmp_path: Path):

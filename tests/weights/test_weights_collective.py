@@ -22,11 +22,10 @@ from safetensors.torch import save as save_safetensors
 from schemas.events import LoraSpec, WeightsReady
 from services.bus import Bus
 from services.weights import WeightsError
+from services.weights.buckets import LandedPrefix, bucket_plan
 from services.weights.collective import (
     CollectiveReceiver,
     CollectiveSender,
-    LandedPrefix,
-    bucket_plan,
 )
 from services.weights.stream import EncodedStream
 

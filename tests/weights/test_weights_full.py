@@ -5,7 +5,6 @@ it cannot fit, reported as touched when it was partly overwritten, and never hel
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import threading
 import tracemalloc
@@ -30,7 +29,8 @@ from services.weights import (
     get_blob,
     load_weights,
 )
-from services.weights.object_store import write_blob
+from services.weights.blobs import write_blob
+from services.weights.digest import digest_of
 from services.weights.transport import unavailable_reason
 
 State = dict[str, torch.Tensor]
@@ -119,7 +119,7 @@ async def test_object_store_full_weights_land_in_the_parameters(
     assert (event.kind, event.is_full, event.location) == ("full", True, f"{run_id}/step_1")
     stored = await get_blob(bus, event.location)
     assert stored == EncodedStream.from_state_dict(sent).to_bytes()
-    assert event.digest == "sha256:" + hashlib.sha256(stored).hexdigest()
+    assert event.digest == digest_of([stored])
     assert event.size_bytes == len(stored)
     assert all(torch.equal(t, sent[k]) for k, t in st_load(stored).items())
 
@@ -283,7 +283,7 @@ async def test_filesystem_full_weights_are_a_model_file_read_into_the_parameters
     data = (directory / FULL_WEIGHTS_FILE).read_bytes()
     assert (event.size_bytes, event.digest) == (
         len(data),
-        "sha256:" + hashlib.sha256(data).hexdigest(),
+        digest_of([data]),
     )
     on_disk = st_load_file(directory / FULL_WEIGHTS_FILE)
     assert sorted(on_disk) == sorted(sent)
@@ -470,15 +470,14 @@ async def test_ucx_into_tensors_off_the_cpu_path_lands_after_the_digest(
 async def test_a_ucx_transfer_cut_off_in_the_middle_is_touched(
     run_id: str, lora: LoraSpec, trained: _TinyLM, serving: _TinyLM, ucx_client: Any
 ):
-    from services.weights.ucx import UcxWeightClient, UcxWeightServer, _pieces, _tag
+    from services.weights.buckets import bucket_pieces
+    from services.weights.ucx import UcxWeightClient, UcxWeightServer, _tag
 
     class HalfServer(UcxWeightServer):
-        async def _send_stream(
-            self, ep: Any, request_id: int, stream: EncodedStream, buckets: bool
-        ) -> None:
+        async def _send_stream(self, ep: Any, request_id: int, stream: EncodedStream) -> None:
             await ep.send(memoryview(stream.header), tag=_tag(request_id, 1))
             segments = stream.data_segments()
-            first, _ = next(_pieces(segments, self.chunk_bytes, buckets, sending=True))
+            first, _ = next(bucket_pieces(segments, self.chunk_bytes, sending=True))
             await ep.send(first, tag=_tag(request_id, 2))
             await asyncio.Event().wait()
 

@@ -14,8 +14,8 @@ from nats.js import api
 from nats.js.errors import NotFoundError
 
 from services.bus import Bus
-from services.weights import object_store
-from services.weights.object_store import (
+from services.weights import blobs as object_store
+from services.weights.blobs import (
     CHUNK_SIZE,
     STREAM,
     BlobError,

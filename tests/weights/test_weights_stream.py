@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load as st_load
 
 from services.weights import EncodedStream, StreamDecoder, WeightsError
+from services.weights.digest import digest_of
 from services.weights.stream import byte_view, split
 
 WHERE = "weights for run_a step 3"
@@ -65,7 +66,7 @@ def test_the_stream_is_a_safetensors_file_with_sorted_names():
     stream = EncodedStream.from_state_dict(state)
     data = stream.to_bytes()
     assert stream.size == len(data)
-    assert stream.digest == "sha256:" + hashlib.sha256(data).hexdigest()
+    assert stream.digest == digest_of([data])
     (length,) = struct.unpack("<Q", data[:8])
     assert stream.header == data[: 8 + length] and length % 8 == 0
     header = json.loads(data[8 : 8 + length])
@@ -226,7 +227,7 @@ def test_a_changed_byte_fails_the_digest_check():
     stream = EncodedStream.from_state_dict({"x": torch.ones(4)})
     data = bytearray(stream.to_bytes())
     data[-1] ^= 1
-    tampered = "sha256:" + hashlib.sha256(data).hexdigest()
+    tampered = digest_of([data])
     with pytest.raises(
         WeightsError,
         match=f"^{WHERE}: digest mismatch: announced {stream.digest} but the {len(data)} received "

@@ -5,7 +5,6 @@ stalls mid-transfer."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import signal
 import subprocess
@@ -23,6 +22,7 @@ from schemas.subjects import ERRORS_WILDCARD
 from services.bus import Bus
 from services.inference.weights_follower import WeightsFollower
 from services.weights import EncodedStream, WeightPublisher, WeightsError, load_weights
+from services.weights.digest import digest_of
 from services.weights.errors import TransportUnavailable
 from services.weights.ucx import UcxWeightClient, UcxWeightServer, _tag, import_ucxx
 
@@ -84,7 +84,7 @@ async def test_an_adapter_published_over_ucx_loads_bit_for_bit(
         )
         expected = EncodedStream.from_state_dict(adapter).to_bytes()
         assert event.size_bytes == len(expected)
-        assert event.digest == "sha256:" + hashlib.sha256(expected).hexdigest()
+        assert event.digest == digest_of([expected])
         assert not list(tmp_path.iterdir())  # nothing went to disk
         _same(await load_weights(bus, event), adapter)
     finally:
@@ -146,22 +146,19 @@ def _mixed_state() -> dict[str, torch.Tensor]:
     return state
 
 
-@pytest.mark.parametrize("replica_wants_buckets", [True, False], ids=["buckets", "old-replica"])
-async def test_small_tensors_travel_together_and_an_old_replica_still_gets_pieces(
+async def test_small_tensors_travel_together(
     server: UcxWeightServer,
     client: UcxWeightClient,
     run_id: str,
-    replica_wants_buckets: bool,
     monkeypatch: pytest.MonkeyPatch,
 ):
-    """A replica asking for the bucket plan gets the small tensors together, in a few messages;
-    one that predates it (no flag in its request) still gets one piece per tensor slice."""
-    from services.weights import ucx
+    """The small tensors share buckets, so they take a few messages, not one per tensor."""
+    from services.weights.ucx import client as ucx_client
+    from services.weights.ucx import server as ucx_server
+    from services.weights.ucx import wire
 
-    if not replica_wants_buckets:
-        monkeypatch.setattr(ucx, "WANTS_BUCKETS", 0)
     posted: dict[str, list[int]] = {"send": [], "recv": []}
-    original = ucx._pipeline
+    original = wire._pipeline
 
     async def counting(ep: Any, op: str, pieces: Any, *args: Any) -> None:
         def counted() -> Any:
@@ -171,7 +168,8 @@ async def test_small_tensors_travel_together_and_an_old_replica_still_gets_piece
 
         await original(ep, op, counted(), *args)
 
-    monkeypatch.setattr(ucx, "_pipeline", counting)
+    monkeypatch.setattr(ucx_server, "_pipeline", counting)
+    monkeypatch.setattr(ucx_client, "_pipeline", counting)
     state = _mixed_state()
     stream = EncodedStream.from_state_dict(state)
     event = _event(run_id, 1, await server.send(run_id, 1, stream), stream)
@@ -181,11 +179,8 @@ async def test_small_tensors_travel_together_and_an_old_replica_still_gets_piece
     # Both ends cut the data the same way.
     assert posted["send"] == received
     assert sum(received) == stream.size - len(stream.header)
-    if replica_wants_buckets:
-        # 240 small tensors share 1 MiB buckets; the large tensors go in pieces of their own.
-        assert len(received) < 10
-    else:
-        assert len(received) == 240 + 3 + 1
+    # 240 small tensors share 1 MiB buckets; the large tensors go in pieces of their own.
+    assert len(received) < 10
 
 
 async def test_three_replica_processes_pull_a_stream_at_once(server: UcxWeightServer, run_id: str):
@@ -262,13 +257,11 @@ async def test_a_destination_that_does_not_fit_is_refused_and_left_alone(
 
 
 class _Stalling(UcxWeightServer):
-    async def _send_stream(
-        self, ep: Any, request_id: int, stream: EncodedStream, buckets: bool
-    ) -> None:
+    async def _send_stream(self, ep: Any, request_id: int, stream: EncodedStream) -> None:
         if len(stream.names) == 1:  # the stream to stall on
             await ep.send(memoryview(stream.header), tag=_tag(request_id, 1))
             await asyncio.Event().wait()
-        await super()._send_stream(ep, request_id, stream, buckets)
+        await super()._send_stream(ep, request_id, stream)
 
 
 async def test_a_stalled_transfer_times_out_and_the_next_fetch_reconnects(run_id: str, adapter):

@@ -24,7 +24,8 @@ import torch
 from schemas.events import LoraSpec, WeightsReady
 from services.bus import Bus
 from services.weights import EncodedStream, WeightPublisher
-from services.weights.ucx import UcxWeightClient, UcxWeightServer, _pieces, _tag
+from services.weights.buckets import bucket_pieces
+from services.weights.ucx import UcxWeightClient, UcxWeightServer, _tag
 
 RANK = 4
 LORA = LoraSpec(rank=RANK, alpha=8.0, target_modules=["q_proj"])
@@ -44,13 +45,11 @@ class StallingServer(UcxWeightServer):
 
     stall_above = 1 << 62
 
-    async def _send_stream(
-        self, ep: Any, request_id: int, stream: EncodedStream, buckets: bool
-    ) -> None:
+    async def _send_stream(self, ep: Any, request_id: int, stream: EncodedStream) -> None:
         if stream.size <= self.stall_above:
-            return await super()._send_stream(ep, request_id, stream, buckets)
+            return await super()._send_stream(ep, request_id, stream)
         await ep.send(memoryview(stream.header), tag=_tag(request_id, 1))
-        first, _ = next(_pieces(stream.data_segments(), self.chunk_bytes, buckets, sending=True))
+        first, _ = next(bucket_pieces(stream.data_segments(), self.chunk_bytes, sending=True))
         await ep.send(first, tag=_tag(request_id, 2))
         print("MID", flush=True)
         await asyncio.Event().wait()

@@ -15,7 +15,8 @@ address of the host name. Each member marks ``ready/gen<g>/<member>`` in the sto
 builds its side, so a generation that cannot be built drops the members that never came; after
 :data:`MAX_FORM_ATTEMPTS` failures in a row the sender waits for replicas to join again.
 
-Membership, over core NATS (``<group>`` is ``default`` unless both ends are told otherwise):
+Membership, over core NATS (``<group>`` is ``default`` unless both ends are told otherwise), in
+the messages of :mod:`schemas.collective`:
 
 - ``plexrl.collective.<group>.join``, request/reply: :class:`JoinRequest` -> :class:`GroupState`.
   The sender adds the member and forms the next generation: every live member plus the joiner.
@@ -50,12 +51,16 @@ Timeouts, so that nothing waits forever:
 - ``fetch_timeout`` (:data:`FETCH_TIMEOUT`): how long :meth:`CollectiveReceiver.fetch` waits for
   the announced transfer; a run whose newer step has arrived instead fails at once.
 
-Modules: :mod:`.protocol` (constants, messages, subjects, frames, buckets, gloo groups),
-:mod:`.sender` (:class:`CollectiveSender`), :mod:`.receiver` (:class:`CollectiveReceiver`).
+Modules: :mod:`.protocol` (constants, frames, buckets, gloo groups),
+:mod:`.sender` (:class:`CollectiveSender`), :mod:`.member` (a replica's membership: joining,
+taking part in each generation) and :mod:`.receiver` (:class:`CollectiveReceiver`, what it
+receives).
 """
 
+from pathlib import Path
+
+from services.bus import Bus
 from services.weights.collective.protocol import (
-    COALESCE_BELOW,
     DEFAULT_GROUP,
     FETCH_TIMEOUT,
     HEARTBEAT,
@@ -65,24 +70,14 @@ from services.weights.collective.protocol import (
     MAX_FRAME_BYTES,
     PING_TIMEOUT,
     REJOIN_INTERVAL,
-    SUBJECT_PREFIX,
     TIMEOUT,
-    GroupFormed,
-    GroupState,
-    JoinRequest,
-    LandedPrefix,
-    LeaveRequest,
-    Ping,
-    Pong,
-    Subjects,
-    bucket_plan,
     location,
 )
 from services.weights.collective.receiver import CollectiveReceiver
 from services.weights.collective.sender import CollectiveSender
+from services.weights.transport import SenderOptions
 
 __all__ = [
-    "COALESCE_BELOW",
     "DEFAULT_GROUP",
     "FETCH_TIMEOUT",
     "HEARTBEAT",
@@ -92,18 +87,30 @@ __all__ = [
     "MAX_FRAME_BYTES",
     "PING_TIMEOUT",
     "REJOIN_INTERVAL",
-    "SUBJECT_PREFIX",
     "TIMEOUT",
     "CollectiveReceiver",
     "CollectiveSender",
-    "GroupFormed",
-    "GroupState",
-    "JoinRequest",
-    "LandedPrefix",
-    "LeaveRequest",
-    "Ping",
-    "Pong",
-    "Subjects",
-    "bucket_plan",
     "location",
 ]
+
+
+def sender(bus: Bus, output_dir: Path, keep_last: int, options: SenderOptions) -> CollectiveSender:
+    return CollectiveSender(
+        bus, options.collective_host, options.collective_port, options.collective_bucket_bytes
+    )
+
+
+def fetcher(bus: Bus, output_dir: Path | None) -> None:
+    """None: a replica joins its group at start-up (a CollectiveReceiver) and passes it in."""
+    return None
+
+
+def unavailable() -> str | None:
+    import torch.distributed
+
+    if not torch.distributed.is_available():
+        return (
+            "weight transport 'collective' needs torch.distributed, which this torch "
+            "build does not have; choose another transport"
+        )
+    return None

@@ -1,5 +1,6 @@
-"""The collective protocol: constants, membership messages and subjects, frames, buckets,
-and the gloo groups they travel in. Shared by :mod:`.sender` and :mod:`.receiver`."""
+"""The collective protocol: constants, frames, buckets, and the gloo groups they travel in.
+Shared by :mod:`.sender` and :mod:`.receiver`; the membership messages are in
+:mod:`schemas.collective`."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import ipaddress
 import os
 import socket
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
@@ -17,18 +17,12 @@ import torch
 from torch import Tensor
 
 from schemas.events import WeightsReady
-from schemas.subjects import validate_service_name
+from schemas.subjects import DEFAULT_COLLECTIVE_GROUP
+from services.weights.buckets import bucket_pieces, bucket_plan
 from services.weights.errors import WeightsError
-from services.weights.stream import (  # noqa: F401 (the plan is part of this protocol too)
-    COALESCE_BELOW,
-    EncodedStream,
-    LandedPrefix,
-    bucket_pieces,
-    bucket_plan,
-)
+from services.weights.stream import EncodedStream
 
-DEFAULT_GROUP = "default"
-SUBJECT_PREFIX = "plexrl.collective"
+DEFAULT_GROUP = DEFAULT_COLLECTIVE_GROUP
 TIMEOUT = 30.0
 """Seconds for building a generation and for each broadcast, on both ends."""
 HEARTBEAT = 2.0
@@ -45,75 +39,6 @@ MAX_FORM_ATTEMPTS = 3
 """Generations tried in a row after failures before the sender stops and waits for new joins."""
 MAGIC = 0x504C5843  # "PLXC"
 MAX_FRAME_BYTES = 64 << 20
-
-
-# --- membership messages (core NATS, JSON) ----------------------------------------------------
-
-
-class JoinRequest(msgspec.Struct, frozen=True, kw_only=True, tag="collective_join"):
-    """A replica asks to receive weights. Producer: CollectiveReceiver. Consumer: the sender."""
-
-    member: str
-    replica: str
-
-
-class LeaveRequest(msgspec.Struct, frozen=True, kw_only=True, tag="collective_leave"):
-    """A replica that closes. Producer: CollectiveReceiver. Consumer: CollectiveSender."""
-
-    member: str
-
-
-class GroupState(msgspec.Struct, frozen=True, kw_only=True, tag="collective_state"):
-    """The answer to a join or leave: which sender, its current generation, its store's address.
-
-    Producer: CollectiveSender. Consumer: the CollectiveReceiver that asked."""
-
-    sender: str
-    generation: int
-    host: str
-    port: int
-
-
-class GroupFormed(msgspec.Struct, frozen=True, kw_only=True, tag="collective_formed"):
-    """Generation ``generation`` is being built: ``members[i]`` takes rank ``i + 1``.
-
-    Producer: CollectiveSender. Consumers: every CollectiveReceiver of the group."""
-
-    sender: str
-    generation: int
-    host: str
-    port: int
-    members: list[str]
-
-
-class Ping(msgspec.Struct, frozen=True, kw_only=True, tag="collective_ping"):
-    """Are you still there? Producer: CollectiveSender. Consumer: one CollectiveReceiver."""
-
-    generation: int
-
-
-class Pong(msgspec.Struct, frozen=True, kw_only=True, tag="collective_pong"):
-    """Yes. Producer: CollectiveReceiver. Consumer: CollectiveSender."""
-
-    member: str
-
-
-@dataclass(frozen=True)
-class Subjects:
-    """The subjects of one collective group."""
-
-    join: str
-    leave: str
-    formed: str
-    alive_prefix: str
-
-    @classmethod
-    def of(cls, group: str) -> Subjects:
-        base = f"{SUBJECT_PREFIX}.{validate_service_name(group)}"
-        return cls(f"{base}.join", f"{base}.leave", f"{base}.formed", f"{base}.alive.")
-
-    def alive(self, member: str) -> str:
-        return self.alive_prefix + validate_service_name(member)
 
 
 # --- frames (inside a generation) -------------------------------------------------------------

@@ -18,8 +18,9 @@ import torch
 from nats.aio.msg import Msg
 
 from schemas.codec import DecodeError, decode, encode
+from schemas.collective import GroupFormed, GroupState, JoinRequest, LeaveRequest, Ping, Pong
 from schemas.run_id import validate_run_id
-from schemas.subjects import validate_service_name
+from schemas.subjects import collective_subjects, validate_service_name
 from services.bus import Bus
 from services.weights.collective.protocol import (
     DEFAULT_GROUP,
@@ -27,13 +28,6 @@ from services.weights.collective.protocol import (
     MAX_FORM_ATTEMPTS,
     PING_TIMEOUT,
     TIMEOUT,
-    GroupFormed,
-    GroupState,
-    JoinRequest,
-    LeaveRequest,
-    Ping,
-    Pong,
-    Subjects,
     _EndFrame,
     _ForgetFrame,
     _Frame,
@@ -67,6 +61,7 @@ class CollectiveSender:
     """
 
     name = "collective"
+    in_memory = True
 
     def __init__(
         self,
@@ -88,7 +83,7 @@ class CollectiveSender:
         self.host = host
         self.port = port
         self.bucket_bytes = bucket_bytes
-        self.subjects = Subjects.of(group)
+        self.subjects = collective_subjects(group)
         self.timeout = timeout
         self.heartbeat = heartbeat
         self.ping_timeout = ping_timeout
@@ -129,7 +124,9 @@ class CollectiveSender:
         self._task = asyncio.create_task(self._serve(), name="collective-sender")
         log.info("collective sender %s: store on %s:%d", self.sender_id, self.host, self.port)
 
-    async def send(self, run_id: str, step: int, stream: EncodedStream) -> str:
+    async def send(
+        self, run_id: str, step: int, stream: EncodedStream, adapter_config: Any = None
+    ) -> str:
         """Broadcast ``stream`` to the current generation, keep it for later ones, say where.
 
         Returns once every member has it (or, when a member failed, once a new generation has
@@ -138,9 +135,13 @@ class CollectiveSender:
         op = _Op("send", run_id=run_id, step=step, stream=stream)
         return await self._submit(op)
 
-    async def forget(self, run_id: str, steps: Collection[int]) -> None:
+    async def stored(self, run_id: str) -> set[int]:
+        return set()  # this sender holds only what it was given since it started
+
+    async def forget(self, run_id: str, steps: Collection[int]) -> set[int]:
         """Drop those steps here and on every member (the newest kept is dropped only if named)."""
         await self._submit(_Op("forget", run_id=run_id, steps=sorted(steps)))
+        return set(steps)
 
     async def close(self) -> None:
         """End the generation (members go back to asking to join), stop hosting the store."""

@@ -1,0 +1,120 @@
+"""The ``object_store`` weight transport: each version is an object in ``plexrl-weights``.
+
+The trainer writes the stream under ``<run_id>/step_<n>`` (the location) chunk by chunk from the
+tensors' own memory (:func:`~services.weights.blobs.write_blob`), never assembled in one buffer;
+old versions are deleted, and a restarted trainer finds the versions an earlier one left by
+listing the store. A replica streams the chunks into a
+:class:`~services.weights.stream.StreamDecoder` as they arrive (an adapter is usually one chunk,
+one direct get), after checking that the object is the one announced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Collection, Mapping
+from pathlib import Path
+from typing import Any
+
+import nats.errors
+from torch import Tensor
+
+from schemas.events import WeightsReady
+from schemas.subjects import weights_object_key
+from services.bus import Bus
+from services.weights.blobs import BlobError, delete_blob, list_keys, stream_blob, write_blob
+from services.weights.errors import WeightsError
+from services.weights.stream import EncodedStream, StreamDecoder
+from services.weights.transport import SenderOptions
+
+log = logging.getLogger(__name__)
+
+
+class ObjectStoreSender:
+    """The trainer's end: objects in the store, listed and deleted by key."""
+
+    name = "object_store"
+    in_memory = False
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+
+    async def start(self) -> None:
+        pass
+
+    async def send(
+        self, run_id: str, step: int, stream: EncodedStream, adapter_config: Any = None
+    ) -> str:
+        key = weights_object_key(run_id, step)
+        await write_blob(self.bus, key, stream.segments(), stream.digest)
+        return key
+
+    async def stored(self, run_id: str) -> set[int]:
+        prefix = f"{run_id}/step_"
+        return {
+            int(key.removeprefix(prefix))
+            for key in await list_keys(self.bus)
+            if key.startswith(prefix) and key.removeprefix(prefix).isdigit()
+        }
+
+    async def forget(self, run_id: str, steps: Collection[int]) -> set[int]:
+        removed = set()
+        for step in steps:
+            try:
+                await delete_blob(self.bus, weights_object_key(run_id, step))
+            except (BlobError, nats.errors.Error) as exc:
+                log.warning("%s: could not remove weights of step %d: %s", run_id, step, exc)
+                continue
+            removed.add(step)
+        return removed
+
+    async def close(self) -> None:
+        pass
+
+
+class ObjectStoreFetcher:
+    """A replica's end: the announced object's chunks into a decoder as they arrive."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+
+    async def fetch(
+        self, event: WeightsReady, destination: Mapping[str, Tensor] | None = None
+    ) -> dict[str, Tensor]:
+        where = f"weights for {event.run_id} step {event.step}"
+        decoder = StreamDecoder(where, event.size_bytes, event.digest, destination)
+        try:
+            await stream_blob(
+                self.bus,
+                event.location,
+                decoder.feed,
+                expected_size=event.size_bytes,
+                expected_digest=event.digest,
+            )
+        except BaseException as exc:
+            decoder.abandon()
+            if isinstance(exc, nats.errors.Error):
+                raise WeightsError(
+                    f"{where}: reading {event.location!r} failed: {type(exc).__name__}: {exc}",
+                    touched=decoder.touched,
+                ) from exc
+            if isinstance(exc, BlobError | ValueError):
+                raise WeightsError(f"{where}: {exc}", touched=decoder.touched) from exc
+            raise
+        # Off the event loop: the rest of the digest may still be hashing.
+        return await asyncio.to_thread(decoder.finish)
+
+    async def close(self) -> None:
+        pass
+
+
+def sender(bus: Bus, output_dir: Path, keep_last: int, options: SenderOptions) -> ObjectStoreSender:
+    return ObjectStoreSender(bus)
+
+
+def fetcher(bus: Bus, output_dir: Path | None) -> ObjectStoreFetcher:
+    return ObjectStoreFetcher(bus)
+
+
+def unavailable() -> str | None:
+    return None
