@@ -1,4 +1,5 @@
-"""plexrl's public contract: every event on the bus, the run-id rule and the run config."""
+"""plexrl's public contract: every event on the bus, the KV records, the run-id rule and the run
+config."""
 
 from schemas.codec import DecodeError, decode, encode
 from schemas.config import (
@@ -31,11 +32,13 @@ from schemas.events import (
     WeightsReady,
     event_tag,
 )
+from schemas.records import RUN_STATUSES, Progress, RunRecord, RunStatus
 from schemas.run_id import RUN_ID_PATTERN, InvalidRunId, is_valid_run_id, validate_run_id
 
 __all__ = [
     "ALL_EVENTS",
     "RUN_ID_PATTERN",
+    "RUN_STATUSES",
     "SCHEMA_VERSION",
     "AnyEvent",
     "Completion",
@@ -49,12 +52,15 @@ __all__ = [
     "InvalidRunId",
     "LoraSpec",
     "OrchConfig",
+    "Progress",
     "RolloutBatch",
     "RunConfigInvalid",
     "RunDiscovered",
     "RunEvent",
     "RunEvicted",
     "RunForgotten",
+    "RunRecord",
+    "RunStatus",
     "RunSubmitted",
     "Sample",
     "ServiceError",

@@ -20,6 +20,18 @@ DEFAULT_MAX_LORA_RANK = 16
 unless a deployment sets ``max_lora_rank``: one default, so a run the registry admits always
 fits the trainer's slots."""
 
+DEFAULT_TARGET_MODULES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+"""The linear modules that carry LoRA adapters unless a deployment sets ``target_modules``:
+every attention and MLP projection of a Llama-style model, the same in trainer and inference."""
+
 
 class ConfigError(ValueError):
     """A config that cannot be used, with every problem listed."""

@@ -42,7 +42,16 @@ RunIndex = Annotated[
 Step = Annotated[int, msgspec.Meta(ge=0)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 TokenId = Annotated[int, msgspec.Meta(ge=0)]
-Digest = Annotated[str, msgspec.Meta(pattern=r"^sha256:[0-9a-f]{64}(?!\n)$")]
+Digest = Annotated[
+    str,
+    msgspec.Meta(
+        pattern=r"^(blake3|sha256):[0-9a-f]{64}(?!\n)$",
+        description=(
+            "<algorithm>:<64 lowercase hex digits> of the whole safetensors stream: blake3 from "
+            "current publishers, sha256 from older ones; readers accept both"
+        ),
+    ),
+]
 ShortText = Annotated[str, msgspec.Meta(max_length=16384)]
 Transport = Literal["object_store", "filesystem", "ucx", "collective"]
 WeightKind = Literal["lora", "full"]
@@ -178,7 +187,8 @@ class WeightsReady(Event, frozen=True, kw_only=True, tag="weights_ready"):
     Producer: trainer. Consumer: inference (loads it), orchestrators (version bookkeeping).
     Subject: ``plexrl.weights.<run_id>``. ``location`` is read according to ``transport``: an
     object-store key ``<run_id>/step_<n>``, a PEFT directory, a UCX address or a collective
-    group name. ``digest`` is ``sha256:<hex>`` of the stored safetensors bytes.
+    group name. ``digest`` is ``blake3:<hex>`` of the stored safetensors bytes (``sha256:<hex>``
+    from publishers before BLAKE3; readers accept both and check the one named).
 
     ``kind`` says what the tensors are: absent or ``lora`` (every message before the field
     existed), the run's adapter with PEFT key names, shaped as ``lora`` says; or ``full``, the

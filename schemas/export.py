@@ -4,6 +4,8 @@
   ``msgspec.json.schema``. Each file stands alone (its ``$defs`` travel with it). The ``type``
   tag is a required ``const``; unknown properties are allowed because wire events tolerate them.
 - ``json/orch_config.json``: the run config, from pydantic; unknown keys are forbidden.
+- ``json/run_record.json``, ``json/progress.json``: the KV records (:mod:`schemas.records`), untagged,
+  unknown properties allowed.
 - ``asyncapi.yaml``: an AsyncAPI 3.0 document of every channel in :data:`schemas.subjects.CHANNELS`.
 
 Output is byte-for-byte deterministic, so ``plexrl schemas check`` can compare the committed files
@@ -22,8 +24,10 @@ from typing import Any, Literal
 import msgspec
 import yaml
 
+from schemas.collective import COLLECTIVE_MESSAGES
 from schemas.config import OrchConfig
 from schemas.events import ALL_EVENTS, SCHEMA_VERSION, Event, event_tag
+from schemas.records import ALL_RECORDS, RECORD_BUCKETS
 from schemas.run_id import RUN_ID_PATTERN
 from schemas.subjects import CHANNELS, KV_BUCKETS, OBJECT_STORES, STREAMS, Channel
 
@@ -69,7 +73,18 @@ _PARAMETERS: dict[str, dict[str, Any]] = {
         "description": "The reporting service's name: 1-64 letters, digits, '_' or '-'.",
         "examples": ["registry", "trainer", "inference", "orchestrator"],
     },
+    "group": {
+        "description": "A collective weight-transport group: 1-64 letters, digits, '_' or '-'.",
+        "examples": ["default"],
+    },
+    "member": {
+        "description": "A replica's member id in a collective group.",
+        "examples": ["inference-0-1a2b3c4d"],
+    },
 }
+
+MESSAGES: tuple[type[Event], ...] = ALL_EVENTS + COLLECTIVE_MESSAGES
+"""Every message with a schema: the events, and the collective membership messages."""
 
 
 # --- JSON Schema -------------------------------------------------------------------------------
@@ -88,6 +103,14 @@ def event_schema(cls: type[Event]) -> dict[str, Any]:
     if defs:
         schema["$defs"] = {name: _finish_struct(defs[name], None) for name in sorted(defs)}
     return schema
+
+
+def record_schema(name: str) -> dict[str, Any]:
+    """The standalone JSON Schema of one KV record type (see :data:`schemas.records.ALL_RECORDS`)."""
+    cls = ALL_RECORDS[name]
+    generated = msgspec.json.schema(cls)
+    body = _finish_struct(generated["$defs"].pop(cls.__name__), None)
+    return {"$schema": JSON_SCHEMA_DIALECT, "$id": f"urn:plexrl:records:{name}", **body}
 
 
 def orch_config_schema() -> dict[str, Any]:
@@ -130,9 +153,9 @@ def _clean_descriptions(node: Any) -> Any:
 def asyncapi_document() -> dict[str, Any]:
     """The AsyncAPI 3.0 document: every channel, its stream, payloads, operations and headers."""
     _, components = msgspec.json.schema_components(
-        ALL_EVENTS, ref_template="#/components/schemas/{name}"
+        MESSAGES, ref_template="#/components/schemas/{name}"
     )
-    tags = {cls.__name__: event_tag(cls) for cls in ALL_EVENTS}
+    tags = {cls.__name__: event_tag(cls) for cls in MESSAGES}
     schemas = {
         name: _finish_struct(components[name], tags.get(name)) for name in sorted(components)
     }
@@ -166,15 +189,16 @@ def asyncapi_document() -> dict[str, Any]:
         "operations": operations,
         "components": {
             "schemas": schemas,
-            "messages": {
-                event_tag(cls): _message(cls) for cls in sorted(ALL_EVENTS, key=event_tag)
-            },
+            "messages": {event_tag(cls): _message(cls) for cls in sorted(MESSAGES, key=event_tag)},
             "parameters": _PARAMETERS,
         },
         "x-plexrl-streams": {
             s.name: {"subjects": list(s.subjects), "description": s.description} for s in STREAMS
         },
         "x-plexrl-kv-buckets": dict(KV_BUCKETS),
+        "x-plexrl-kv-records": {
+            bucket: f"{JSON_DIR}/{name}.json" for name, bucket in RECORD_BUCKETS.items()
+        },
         "x-plexrl-object-stores": dict(OBJECT_STORES),
     }
 
@@ -221,6 +245,8 @@ def _message_refs(events: tuple[type[Event], ...]) -> dict[str, Any]:
 def _channel(ch: Channel) -> dict[str, Any]:
     if ch.stream is not None:
         where = f"Stream {ch.stream}."
+    elif ch.queue_group is None:
+        where = "Core NATS, no stream." + (" Request/reply." if ch.reply else "")
     else:
         where = (
             f"Core NATS request/reply, no stream; replicas share requests through the queue "
@@ -313,10 +339,10 @@ def _yaml_text(obj: Any) -> str:
 
 def generate() -> dict[str, str]:
     """Every generated file: its path relative to the schemas directory -> its text."""
-    files = {
-        f"{JSON_DIR}/{event_tag(cls)}.json": _json_text(event_schema(cls)) for cls in ALL_EVENTS
-    }
+    files = {f"{JSON_DIR}/{event_tag(cls)}.json": _json_text(event_schema(cls)) for cls in MESSAGES}
     files[f"{JSON_DIR}/{ORCH_CONFIG_FILE}"] = _json_text(orch_config_schema())
+    for name in ALL_RECORDS:
+        files[f"{JSON_DIR}/{name}.json"] = _json_text(record_schema(name))
     files[ASYNCAPI_FILE] = _yaml_text(asyncapi_document())
     return dict(sorted(files.items()))
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from schemas.collective import GroupFormed, GroupState, JoinRequest, LeaveRequest, Ping, Pong
 from schemas.events import (
     Event,
     EvictRequested,
@@ -74,6 +75,8 @@ INFERENCE_QUEUE_GROUP = "inference"
 _ROLLOUTS_PREFIX = "plexrl.rollouts."
 _WEIGHTS_PREFIX = "plexrl.weights."
 _ERRORS_PREFIX = "plexrl.errors."
+_COLLECTIVE_PREFIX = "plexrl.collective."
+DEFAULT_COLLECTIVE_GROUP = "default"
 
 # --- key-value buckets and object store ------------------------------------------------------
 
@@ -117,6 +120,26 @@ def weights_subject(run_id: str) -> str:
 def errors_subject(service: str) -> str:
     """``plexrl.errors.<service>``: where a service reports InvalidMessage and ServiceError."""
     return _ERRORS_PREFIX + validate_service_name(service)
+
+
+@dataclass(frozen=True)
+class CollectiveSubjects:
+    """The subjects of one collective weight-transport group (:mod:`schemas.collective`)."""
+
+    join: str
+    leave: str
+    formed: str
+    alive_prefix: str
+
+    def alive(self, member: str) -> str:
+        """Where ``member`` answers the sender's Ping."""
+        return self.alive_prefix + validate_service_name(member)
+
+
+def collective_subjects(group: str = DEFAULT_COLLECTIVE_GROUP) -> CollectiveSubjects:
+    """``plexrl.collective.<group>.{join,leave,formed,alive.<member>}``."""
+    base = _COLLECTIVE_PREFIX + validate_service_name(group)
+    return CollectiveSubjects(f"{base}.join", f"{base}.leave", f"{base}.formed", f"{base}.alive.")
 
 
 def run_id_from_subject(subject: str) -> str:
@@ -170,6 +193,10 @@ def subject_for(event: Event) -> str:
             return errors_subject(service)
         case GenerateResponse():
             raise ValueError("a GenerateResponse goes to the request's reply subject")
+        case JoinRequest() | LeaveRequest() | GroupState() | GroupFormed() | Ping() | Pong():
+            raise ValueError(
+                f"a {type(event).__name__} goes to its group's subject (collective_subjects)"
+            )
     try:
         return _FIXED_SUBJECTS[type(event)]
     except KeyError:
@@ -294,5 +321,44 @@ CHANNELS: tuple[Channel, ...] = (
         producers="any service",
         consumers="operators, dashboards",
         summary="messages a service rejected and failures it survived",
+    ),
+    Channel(
+        "collective_join",
+        _COLLECTIVE_PREFIX + "{group}.join",
+        None,
+        (JoinRequest,),
+        producers="inference replicas (collective weight transport)",
+        consumers="the trainer's collective sender",
+        summary="a replica asks to receive weight broadcasts",
+        reply=(GroupState,),
+    ),
+    Channel(
+        "collective_leave",
+        _COLLECTIVE_PREFIX + "{group}.leave",
+        None,
+        (LeaveRequest,),
+        producers="inference replicas (collective weight transport)",
+        consumers="the trainer's collective sender",
+        summary="a replica leaves the broadcast group",
+        reply=(GroupState,),
+    ),
+    Channel(
+        "collective_formed",
+        _COLLECTIVE_PREFIX + "{group}.formed",
+        None,
+        (GroupFormed,),
+        producers="the trainer's collective sender",
+        consumers="every replica of the group",
+        summary="a new generation of the broadcast group is being built",
+    ),
+    Channel(
+        "collective_alive",
+        _COLLECTIVE_PREFIX + "{group}.alive.{member}",
+        None,
+        (Ping,),
+        producers="the trainer's collective sender",
+        consumers="the member named in the subject",
+        summary="is this member still there?",
+        reply=(Pong,),
     ),
 )

@@ -17,7 +17,9 @@ from jsonschema import Draft202012Validator
 
 from schemas import cli as schemas_cli
 from schemas import export
+from schemas.collective import COLLECTIVE_MESSAGES
 from schemas.events import ALL_EVENTS, Event, event_tag
+from schemas.records import ALL_RECORDS
 from schemas.subjects import CHANNELS
 
 from .vectors import JSON_DIR, REPO_ROOT, SCHEMAS_DIR, TAGS, committed_schema
@@ -50,8 +52,10 @@ def _plexrl(*argv: str) -> subprocess.CompletedProcess[str]:
 def test_generated_files_are_one_schema_per_event_plus_config_and_asyncapi() -> None:
     files = export.generate()
     expected = {f"json/{tag}.json" for tag in TAGS} | {"json/orch_config.json", "asyncapi.yaml"}
+    expected |= {f"json/{name}.json" for name in ALL_RECORDS}
     assert set(files) == expected
-    assert len(TAGS) == len(ALL_EVENTS) == 12
+    assert len(ALL_EVENTS) == 12
+    assert len(TAGS) == len(ALL_EVENTS) + len(COLLECTIVE_MESSAGES) == 18
 
 
 def test_committed_files_equal_generated(tmp_path: Path) -> None:
@@ -120,7 +124,7 @@ def test_export_repairs_a_copy_and_reports_each_change(
     assert "up to date" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name", [*TAGS, "orch_config"])
+@pytest.mark.parametrize("name", [*TAGS, "orch_config", *ALL_RECORDS])
 def test_each_schema_is_a_standalone_draft_2020_12_schema(name: str) -> None:
     schema = committed_schema(name)
     Draft202012Validator.check_schema(schema)
@@ -180,6 +184,10 @@ DESIGN_TABLE = {
     "plexrl.weights.{run_id}": ("PLEXRL_WEIGHTS", ["weights_ready"]),
     "plexrl.inference.generate": (None, ["generate_request"]),
     "plexrl.errors.{service}": ("PLEXRL_ERRORS", ["invalid_message", "service_error"]),
+    "plexrl.collective.{group}.join": (None, ["collective_join"]),
+    "plexrl.collective.{group}.leave": (None, ["collective_leave"]),
+    "plexrl.collective.{group}.formed": (None, ["collective_formed"]),
+    "plexrl.collective.{group}.alive.{member}": (None, ["collective_ping"]),
 }
 
 

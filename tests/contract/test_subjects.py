@@ -7,6 +7,7 @@ import pytest
 
 from schemas import subjects
 from schemas.codec import decode
+from schemas.collective import COLLECTIVE_MESSAGES, GroupState
 from schemas.events import ALL_EVENTS, Event, GenerateResponse, event_tag
 
 from .vectors import Example, examples
@@ -49,7 +50,10 @@ def test_names_are_the_public_ones() -> None:
 
 def test_every_event_has_exactly_one_channel() -> None:
     carried = [c for ch in subjects.CHANNELS for c in (*ch.messages, *ch.reply)]
-    assert sorted(carried, key=event_tag) == sorted(ALL_EVENTS, key=event_tag)
+    # A GroupState answers both a join and a leave; every other message has one channel.
+    carried.remove(GroupState)
+    expected = [*ALL_EVENTS, *COLLECTIVE_MESSAGES]
+    assert sorted(carried, key=event_tag) == sorted(expected, key=event_tag)
 
 
 @pytest.mark.parametrize("example", examples("valid", all_versions=False), ids=str)
@@ -57,6 +61,10 @@ def test_each_event_is_published_where_its_stream_captures_it(example: Example) 
     event: Event = decode(example.raw, example.cls)
     if isinstance(event, GenerateResponse):
         with pytest.raises(ValueError, match="reply subject"):
+            subjects.subject_for(event)
+        return
+    if type(event) in COLLECTIVE_MESSAGES:
+        with pytest.raises(ValueError, match="collective_subjects"):
             subjects.subject_for(event)
         return
     subject = subjects.subject_for(event)
@@ -74,7 +82,7 @@ def test_each_event_is_published_where_its_stream_captures_it(example: Example) 
 def test_streams_do_not_overlap_and_generate_is_in_none() -> None:
     wildcards = [w for s in subjects.STREAMS for w in s.subjects]
     for ch in subjects.CHANNELS:
-        sample = ch.address.format(run_id="run_x", service="trainer")
+        sample = ch.address.format(run_id="run_x", service="trainer", group="g", member="m")
         assert sum(_captured_by(sample, w) for w in wildcards) == (1 if ch.stream else 0), sample
 
 
@@ -110,3 +118,19 @@ def test_errors_subject_takes_one_token_service_names() -> None:
     for bad in ("", "a.b", "*", ">", "a b", "x" * 65):
         with pytest.raises(ValueError, match="illegal service name"):
             subjects.errors_subject(bad)
+
+
+def test_collective_subjects_are_per_group_and_checked() -> None:
+    group = subjects.collective_subjects("blue")
+    assert (group.join, group.leave, group.formed) == (
+        "plexrl.collective.blue.join",
+        "plexrl.collective.blue.leave",
+        "plexrl.collective.blue.formed",
+    )
+    assert group.alive("inference-0-1a2b") == "plexrl.collective.blue.alive.inference-0-1a2b"
+    assert subjects.collective_subjects().join == "plexrl.collective.default.join"
+    for bad in ("a.b", "*", ""):
+        with pytest.raises(ValueError, match="illegal service name"):
+            subjects.collective_subjects(bad)
+    with pytest.raises(ValueError, match="illegal service name"):
+        group.alive("x.>")

@@ -12,7 +12,8 @@ from typing import Any
 from jsonschema import Draft202012Validator
 
 import schemas
-from schemas.events import ALL_EVENTS, SCHEMA_VERSION, Event, event_tag
+from schemas.collective import COLLECTIVE_MESSAGES, CollectiveMessage
+from schemas.events import ALL_EVENTS, SCHEMA_VERSION, AnyEvent, Event, event_tag
 
 SCHEMAS_DIR = Path(schemas.__file__).resolve().parent
 JSON_DIR = SCHEMAS_DIR / "json"
@@ -21,8 +22,16 @@ CURRENT_DIR = EXAMPLES_DIR / f"v{SCHEMA_VERSION}"
 ORCH_EXAMPLES_DIR = EXAMPLES_DIR / "orch_config"
 REPO_ROOT = SCHEMAS_DIR.parent
 
-EVENTS: dict[str, type[Event]] = {event_tag(cls): cls for cls in ALL_EVENTS}
+EVENTS: dict[str, type[Event]] = {
+    event_tag(cls): cls for cls in (*ALL_EVENTS, *COLLECTIVE_MESSAGES)
+}
 TAGS = sorted(EVENTS)
+
+
+def union_of(cls: type[Event]) -> Any:
+    """The union a generic reader decodes ``cls`` with: AnyEvent, or for the collective
+    membership messages (core NATS, outside the streams) CollectiveMessage."""
+    return CollectiveMessage if cls in COLLECTIVE_MESSAGES else AnyEvent
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,25 @@ for (const versionDir of versionDirs) {
   }
 }
 
+// The KV records (plexrl-registry, plexrl-progress): untagged, checked the same way.
+const recordsDir = path.join(examplesDir, 'records');
+for (const name of fs.readdirSync(recordsDir).sort()) {
+  const dir = path.join(recordsDir, name);
+  const files = fs.readdirSync(dir).sort();
+  test(`records/${name}: valid examples pass, invalid ones fail`, () => {
+    const validate = validatorFor(name);
+    const valid = files.filter((f) => f.startsWith('valid_'));
+    const invalid = files.filter((f) => f.startsWith('invalid_'));
+    assert.ok(valid.length >= 2 && invalid.length >= 4);
+    for (const f of valid) {
+      assert.equal(validate(readJson(path.join(dir, f))), true, `${f}: ${ajv.errorsText(validate.errors)}`);
+    }
+    for (const f of invalid) {
+      assert.equal(validate(readJson(path.join(dir, f))), false, `${f} was accepted`);
+    }
+  });
+}
+
 test('a run id with a trailing newline is rejected', () => {
   const validate = validatorFor('run_forgotten');
   assert.equal(validate({ type: 'run_forgotten', run_id: 'run_a', idx: 1 }), true);
@@ -78,5 +97,5 @@ test('asyncapi.yaml is a valid AsyncAPI 3 document', async () => {
   const addresses = document.channels().all().map((c) => c.address()).filter(Boolean).sort();
   assert.ok(addresses.includes('plexrl.rollouts.{run_id}'));
   assert.ok(addresses.includes('plexrl.inference.generate'));
-  assert.equal(document.operations().all().length, 20);
+  assert.equal(document.operations().all().length, 28);
 });
