@@ -48,9 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     if func is None:
         parser.print_help()
         return 0
+    from services.config import SettingsError
     from services.model.host import tune_allocator
 
-    tune_allocator()  # before any large tensor exists; see services/model/host.py
+    try:
+        tune_allocator()  # before any large tensor exists; see services/model/host.py
+    except SettingsError as exc:  # a PLEXRL_* variable every command reads is unusable
+        print(f"plexrl: {exc}", file=sys.stderr)
+        return 2
     try:
         return int(func(args) or 0)
     except KeyboardInterrupt:

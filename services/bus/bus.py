@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Mapping
 from typing import Any, TypeVar
@@ -29,6 +28,7 @@ from schemas.subjects import errors_subject
 from services.bus import tracing
 from services.bus.errors import BusUnavailable, PayloadTooLarge
 from services.bus.provision import provision
+from services.config import process_settings
 from services.telemetry.metrics import record_invalid
 
 log = logging.getLogger(__name__)
@@ -43,10 +43,7 @@ def stream_replicas(environ: Mapping[str, str] | None = None) -> int:
     One server keeps one copy; a three-server cluster keeps three so losing a server loses
     nothing. Provisioning sets the count when it creates a stream and raises it on an existing one.
     """
-    raw = (os.environ if environ is None else environ).get("PLEXRL_STREAM_REPLICAS", "1").strip()
-    if not raw.isdigit() or not 1 <= int(raw) <= 5:
-        raise ValueError(f"PLEXRL_STREAM_REPLICAS must be a whole number from 1 to 5, got {raw!r}")
-    return int(raw)
+    return process_settings(environ).stream_replicas
 
 
 async def _any_reachable(servers: list[str], timeout: float) -> bool:
@@ -195,14 +192,6 @@ class Bus:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 1.0)
             raise AssertionError("unreachable")
-
-    async def publish_core(
-        self, subject: str, event: msgspec.Struct, fmt: Format | None = None
-    ) -> None:
-        """Fire-and-forget publish on a core NATS subject (replies, notifications)."""
-        fmt = fmt or self.fmt
-        data = self._encode(subject, event, fmt)
-        await self.nc.publish(subject, data, headers=self._headers(None, fmt))
 
     async def request(
         self,

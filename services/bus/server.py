@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from services.config import process_settings
+
 MAX_PAYLOAD = 8 * 1024 * 1024
 
 
@@ -35,8 +37,9 @@ class NatsServerError(RuntimeError):
 
 
 def find_nats_server() -> str:
+    configured = process_settings().nats_server  # PLEXRL_NATS_SERVER
     candidates = [
-        os.environ.get("PLEXRL_NATS_SERVER"),
+        str(configured) if configured else None,
         str(Path(sys.executable).parent / "nats-server"),
         shutil.which("nats-server"),
     ]

@@ -71,8 +71,3 @@ def inject(headers: dict[str, str]) -> dict[str, str]:
 def extract(headers: Mapping[str, str] | None) -> otel_context.Context:
     """The trace context a publisher put in ``headers`` (empty context if none)."""
     return propagate.extract(dict(headers or {}))
-
-
-def remote_span_context(headers: Mapping[str, str] | None) -> trace.SpanContext | None:
-    ctx = trace.get_current_span(extract(headers)).get_span_context()
-    return ctx if ctx.is_valid else None

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_origin
 
 from pydantic import BaseModel, ValidationError
 
@@ -15,36 +15,24 @@ from schemas.config import format_validation_error
 
 S = TypeVar("S", bound=BaseModel)
 
-DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
-
 
 class SettingsError(ValueError):
     """Settings that cannot be used; the message names the source and every problem."""
 
 
-def add_common_args(parser: argparse.ArgumentParser) -> None:
-    """Flags every service shares: ``--config`` and ``--nats-url``."""
-    parser.add_argument(
-        "--config", type=Path, default=None, help="TOML file with this service's settings"
-    )
-    parser.add_argument(
-        "--nats-url",
-        default=None,
-        help=f"NATS server (env PLEXRL_NATS_URL, default {DEFAULT_NATS_URL})",
-    )
-
-
-def nats_url(args: argparse.Namespace | None = None) -> str:
-    flag = getattr(args, "nats_url", None) if args is not None else None
-    return flag or os.environ.get("PLEXRL_NATS_URL") or DEFAULT_NATS_URL
+def env_name(field: str) -> str:
+    """The environment variable of a settings field: ``max_runs`` -> ``PLEXRL_MAX_RUNS``."""
+    return f"PLEXRL_{field.upper()}"
 
 
 def _env_values(model: type[BaseModel], environ: Mapping[str, str]) -> dict[str, Any]:
+    """The fields set by ``PLEXRL_<FIELD>``; a list is given comma- or space-separated."""
     values: dict[str, Any] = {}
-    for name in model.model_fields:
-        key = f"PLEXRL_{name.upper()}"
-        if key in environ:
-            values[name] = environ[key]
+    for name, field in model.model_fields.items():
+        raw = environ.get(env_name(name))
+        if raw is not None:
+            is_list = get_origin(field.annotation) is list
+            values[name] = [v for v in re.split(r"[,\s]+", raw) if v] if is_list else raw
     return values
 
 
@@ -56,7 +44,8 @@ def load_settings(
 ) -> S:
     """Build ``model`` from the TOML file, ``PLEXRL_<FIELD>`` variables and ``overrides``.
 
-    ``overrides`` are flag values; ``None`` means "not given" and is skipped.
+    Precedence, lowest first: field defaults, the file, the variables, ``overrides`` (flag
+    values; ``None`` means "not given" and is skipped).
     """
     data: dict[str, Any] = {}
     if config_file is not None:
@@ -67,12 +56,22 @@ def load_settings(
             raise SettingsError(f"cannot read settings file {path}: {exc.strerror}") from None
         except tomllib.TOMLDecodeError as exc:
             raise SettingsError(f"{path}: invalid TOML: {exc}") from None
-    data.update(_env_values(model, os.environ if environ is None else environ))
-    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    from_env = _env_values(model, os.environ if environ is None else environ)
+    data.update(from_env)
+    flags = {k: v for k, v in (overrides or {}).items() if v is not None}
+    data.update(flags)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         where = f" (from {config_file}, PLEXRL_* variables and flags)" if config_file else ""
+        blamed = sorted(
+            {
+                env_name(str(err["loc"][0]))
+                for err in exc.errors()
+                if err["loc"] and err["loc"][0] in from_env and err["loc"][0] not in flags
+            }
+        )
+        set_by = f" (set by {', '.join(blamed)})" if blamed else ""
         raise SettingsError(
-            f"invalid {model.__name__} settings{where}: {format_validation_error(exc)}"
+            f"invalid {model.__name__} settings{where}: {format_validation_error(exc)}{set_by}"
         ) from None

@@ -4,8 +4,8 @@
   ``plexrl.inference.generate`` (queue group ``inference``), a run mirror, a weights follower.
 - ``jobs``: what the service asks of an engine (:class:`Engine`, :class:`Job`).
 - ``torch_engine``: the default engine, one multi-LoRA model batching every run together
-  (``generation``: the KV-cache decode loop; ``sampling``: per-row temperature, top-p, seeds;
-  ``adapters``: slot swaps at generation-step boundaries).
+  (the KV-cache sampler is ``services.model.sampling``; ``adapters``: slot swaps at
+  generation-step boundaries).
 - ``vllm_engine``: the GPU engine on vLLM, one LoRARequest per run.
 - ``weights_follower``: loads every announced adapter on every replica.
 - ``settings`` and ``cli``: ``plexrl inference``.

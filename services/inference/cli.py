@@ -13,13 +13,10 @@ model directory, 3 when the vllm engine is asked for but cannot run here.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
-import sys
-from pathlib import Path
 from typing import Any
 
-from services.config import add_common_args
+from services.config import add_common_args, add_settings_flags
+from services.inference.settings import InferenceSettings
 
 
 def register(subparsers: Any) -> None:
@@ -33,93 +30,46 @@ def register(subparsers: Any) -> None:
         ),
     )
     add_common_args(parser)
-    parser.add_argument("--engine", choices=["torch", "vllm"], help="generation engine")
-    parser.add_argument("--model", type=Path, metavar="DIR", help="Hugging Face model directory")
-    parser.add_argument("--max-runs", type=int, help="adapter slots, as the registry's (4)")
-    parser.add_argument("--max-lora-rank", type=int, help="largest adapter rank served (16)")
-    parser.add_argument(
-        "--target-modules", help="comma-separated LoRA target modules, as the trainer's"
-    )
-    parser.add_argument(
-        "--output-dir", type=Path, help="run directories (filesystem-transport weights)"
-    )
-    parser.add_argument(
-        "--batch-window-ms", type=float, help="how long a batch waits for more requests (5)"
-    )
-    parser.add_argument(
-        "--max-batch-tokens", type=int, help="prompt + completion tokens per batch (16384)"
-    )
-    parser.add_argument("--threads", type=int, help="torch CPU threads (0: torch's default)")
-    parser.add_argument("--device", help="auto, cpu, cuda or cuda:N (auto)")
-    parser.add_argument(
-        "--dtype",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="model dtype (auto: float32 on CPU, bfloat16 on GPU)",
-    )
-    parser.add_argument("--replica-name", help="name sent in the Plexrl-Replica reply header")
-    parser.add_argument(
-        "--weight-load-attempts", type=int, help="tries per adapter before giving it up (2)"
-    )
-    parser.add_argument(
-        "--weight-transport",
-        choices=["object_store", "filesystem", "ucx", "collective"],
-        help="the trainer's weight transport; 'collective' joins its broadcast group at start-up "
-        "(env PLEXRL_WEIGHT_TRANSPORT, default object_store)",
-    )
-    parser.add_argument(
-        "--gpu-memory-utilization", type=float, help="vllm: GPU memory fraction (0.85)"
-    )
+    add_settings_flags(parser, InferenceSettings)
     parser.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    from services.bus import BusUnavailable
-    from services.config import SettingsError, load_settings
-    from services.config.loader import nats_url
-    from services.inference.settings import InferenceSettings
-    from services.model.loader import ModelDirectoryError, check_model_dir
-
-    names = (
-        "engine",
-        "model",
-        "max_runs",
-        "max_lora_rank",
-        "target_modules",
-        "output_dir",
-        "batch_window_ms",
-        "max_batch_tokens",
-        "threads",
-        "device",
-        "dtype",
-        "replica_name",
-        "weight_load_attempts",
-        "weight_transport",
-        "gpu_memory_utilization",
-    )
-    try:
-        settings = load_settings(
-            InferenceSettings, args.config, {name: getattr(args, name) for name in names}
-        )
-        check_model_dir(settings.model)
-    except (SettingsError, ModelDirectoryError) as exc:
-        print(f"plexrl inference: {exc}", file=sys.stderr)
-        return 2
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    try:
-        asyncio.run(_serve(settings, nats_url(args)))
-    except BusUnavailable as exc:
-        print(f"plexrl inference: {exc}", file=sys.stderr)
-        return 1
-    except EngineUnavailable as exc:
-        print(f"plexrl inference: {exc}", file=sys.stderr)
-        return 3
-    return 0
 
 
 class EngineUnavailable(RuntimeError):
     """The engine asked for cannot run on this machine (no vllm, no GPU)."""
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from services.config import SettingsError, nats_url, settings_from_args
+    from services.inference.service import InferenceService
+    from services.launch import fail, run_service
+    from services.model.loader import ModelDirectoryError, check_model_dir
+
+    try:
+        settings = settings_from_args(InferenceSettings, args)
+        url = nats_url(args)
+        check_model_dir(settings.model)
+    except (SettingsError, ModelDirectoryError) as exc:
+        return fail("inference", exc)
+    try:
+        engine = build_engine(settings)  # before connecting: a missing engine is a usage error
+    except EngineUnavailable as exc:
+        return fail("inference", exc, 3)
+
+    async def serve(bus: Any, stop: asyncio.Event) -> None:
+        service = InferenceService(
+            bus,
+            engine,
+            max_runs=settings.max_runs,
+            replica_name=settings.replica_name,
+            output_dir=settings.output_dir,
+            weight_load_attempts=settings.weight_load_attempts,
+            weight_transport=settings.weight_transport,
+        )
+        await service.run(stop)
+
+    return run_service("inference", serve, nats_url=url, service=settings.service)
 
 
 def build_engine(settings: Any) -> Any:
@@ -155,29 +105,3 @@ def build_engine(settings: Any) -> Any:
         batch_window_ms=settings.batch_window_ms,
         max_batch_tokens=settings.max_batch_tokens,
     )
-
-
-async def _serve(settings: Any, url: str) -> None:
-    from services.bus import Bus, setup_tracing, stop_on_signals
-    from services.bus.tracing import shutdown_tracing
-    from services.inference.service import InferenceService
-    from services.telemetry.metrics import setup_metrics
-
-    setup_tracing(settings.service)
-    setup_metrics(settings.service)
-    engine = build_engine(settings)
-    bus = await Bus.connect(url, settings.service)
-    try:
-        service = InferenceService(
-            bus,
-            engine,
-            max_runs=settings.max_runs,
-            replica_name=settings.replica_name,
-            output_dir=settings.output_dir,
-            weight_load_attempts=settings.weight_load_attempts,
-            weight_transport=settings.weight_transport,
-        )
-        await service.run(stop_on_signals())
-    finally:
-        await bus.close()
-        shutdown_tracing()

@@ -2,7 +2,7 @@
 
 - Requests arrive on ``plexrl.inference.generate`` in queue group ``inference`` (core NATS
   request/reply), so replicas share them; each reply carries the ``Plexrl-Replica`` header.
-- A :class:`~services.registry.mirror.RunMirror` keeps the engine's slots in step with the
+- A :class:`~services.runs.mirror.RunMirror` keeps the engine's slots in step with the
   registry: a run created gets a fresh adapter (policy version 0, the base model's behaviour), a
   run removed is forgotten.
 - A :class:`WeightsFollower` loads each announced adapter and hands it to the engine. An adapter
@@ -48,7 +48,7 @@ from services.inference.requests import (
     send_reply,
 )
 from services.inference.weights_follower import WeightsFollower
-from services.registry.mirror import RunMirror
+from services.runs.mirror import RunMirror
 from services.telemetry.metrics import record_request_served, record_weight_sync
 from services.weights.collective import CollectiveReceiver
 from services.weights.transport import WeightFetcher

@@ -15,16 +15,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from schemas.config import DEFAULT_MAX_LORA_RANK
+from schemas.config import DEFAULT_MAX_LORA_RANK, DEFAULT_TARGET_MODULES
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-
-
-def default_target_modules() -> list[str]:
-    # Imported here: services.model.lora imports torch, and `plexrl inference --help` must not.
-    from services.model.lora import DEFAULT_TARGET_MODULES
-
-    return list(DEFAULT_TARGET_MODULES)
 
 
 def default_replica_name() -> str:
@@ -52,7 +45,7 @@ class InferenceSettings(BaseModel):
         description="largest LoRA rank a run's adapter may have",
     )
     target_modules: list[str] = Field(
-        default_factory=default_target_modules,
+        default_factory=lambda: list(DEFAULT_TARGET_MODULES),
         description="module names that carry LoRA adapters; must match the trainer's",
     )
     output_dir: Path = Field(
@@ -75,7 +68,8 @@ class InferenceSettings(BaseModel):
     )
     replica_name: str = Field(
         default_factory=default_replica_name,
-        description="this replica's name, sent in the Plexrl-Replica reply header",
+        description="this replica's name, sent in the Plexrl-Replica reply header (default "
+        "<host>-<pid>)",
     )
     service: str = Field(
         "inference", description="service name: errors go to plexrl.errors.<service>"
@@ -91,14 +85,6 @@ class InferenceSettings(BaseModel):
     gpu_memory_utilization: float = Field(
         0.85, gt=0, le=1.0, description="vllm: fraction of GPU memory the engine may take"
     )
-
-    @field_validator("target_modules", mode="before")
-    @classmethod
-    def _split_modules(cls, v: Any) -> Any:
-        # PLEXRL_TARGET_MODULES and --target-modules arrive as one string
-        if isinstance(v, str):
-            return [m for m in re.split(r"[,\s]+", v) if m]
-        return v
 
     @field_validator("target_modules")
     @classmethod

@@ -1,7 +1,8 @@
 """The language model shared by the trainer and the inference services.
 
 - ``tiny``: writes the default tiny Llama with a character tokenizer (``plexrl model tiny DIR``).
-- ``loader``: loads any Hugging Face causal LM from a local directory, plus token helpers.
+- ``loader``: loads any Hugging Face causal LM from a local directory.
+- ``sampling``: batched KV-cache sampling (one sampler for inference and the warm start).
 - ``lora``: the multi-adapter LoRA layer, one adapter slot per run.
 - ``peft_io``: adapters as safetensors bytes and as PEFT directories.
 

@@ -22,6 +22,8 @@ import ctypes
 import ctypes.util
 import os
 
+from services.config import process_settings
+
 __all__ = ["tune_allocator"]
 
 _M_TRIM_THRESHOLD = -1
@@ -38,7 +40,7 @@ def tune_allocator() -> bool:
     if _tuned is not None:
         return _tuned
     _tuned = False
-    if os.environ.get("PLEXRL_MALLOC_TUNING", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not process_settings().malloc_tuning:  # PLEXRL_MALLOC_TUNING
         return False
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
         return False

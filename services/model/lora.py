@@ -48,6 +48,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from schemas.config import DEFAULT_TARGET_MODULES
 from services.model.routing import NO_ADAPTER, AdapterContext, Route
 
 __all__ = [
@@ -58,16 +59,6 @@ __all__ = [
     "MultiLoRALinear",
     "peft_key",
 ]
-
-DEFAULT_TARGET_MODULES = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)
 
 _GROUPED_MM_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -22,23 +22,35 @@ from collections.abc import Mapping
 from opentelemetry import metrics
 from opentelemetry.metrics import Meter
 
+from services.config.process import process_settings
+
 log = logging.getLogger(__name__)
 
-PORT_VARS = ("PLEXRL_METRICS_PORT", "OTEL_EXPORTER_PROMETHEUS_PORT")
-HOST_VARS = ("PLEXRL_METRICS_HOST", "OTEL_EXPORTER_PROMETHEUS_HOST")
 
 _served: tuple[str, int] | None = None
 _configured = False
 
 
 def metrics_address(environ: Mapping[str, str] | None = None) -> tuple[str, int] | None:
-    """``(host, port)`` to serve ``/metrics`` on, or None when metrics export is off."""
+    """``(host, port)`` to serve ``/metrics`` on, or None when metrics export is off.
+
+    ``PLEXRL_METRICS_PORT``/``_HOST`` come through the process settings; the standard
+    OpenTelemetry variables are the fallback.
+    """
     env = os.environ if environ is None else environ
-    raw = next((env[v].strip() for v in PORT_VARS if env.get(v, "").strip()), "0")
-    if not raw.isdigit() or int(raw) > 65535:
-        raise ValueError(f"{PORT_VARS[0]} must be a port number (0 turns metrics off), got {raw!r}")
-    host = next((env[v].strip() for v in HOST_VARS if env.get(v, "").strip()), "127.0.0.1")
-    return (host, int(raw)) if int(raw) else None
+    settings = process_settings(env)
+    port = settings.metrics_port
+    if port is None:
+        raw = env.get("OTEL_EXPORTER_PROMETHEUS_PORT", "").strip() or "0"
+        if not raw.isdigit() or int(raw) > 65535:
+            raise ValueError(
+                f"OTEL_EXPORTER_PROMETHEUS_PORT must be a port number (0: off), got {raw!r}"
+            )
+        port = int(raw)
+    host = (
+        settings.metrics_host or env.get("OTEL_EXPORTER_PROMETHEUS_HOST", "").strip() or "127.0.0.1"
+    )
+    return (host, port) if port else None
 
 
 def setup_metrics(service_name: str, environ: Mapping[str, str] | None = None) -> Meter:
@@ -63,7 +75,7 @@ def setup_metrics(service_name: str, environ: Mapping[str, str] | None = None) -
                 service_name,
                 *address,
                 exc,
-                PORT_VARS[0],
+                "PLEXRL_METRICS_PORT",
             )
         else:
             provider = MeterProvider(

@@ -20,9 +20,10 @@ Between checkpoints (interval > 1) WeightsReady and progress are still published
 step; a crash then retrains the steps after the checkpoint from their redelivered batches and
 announces those versions again.
 
-``PLEXRL_TRAINER_CRASH_AFTER=<point>[@<run_id>][:<step>]`` (points: ``train``, ``checkpoint``,
-``publish``, ``progress``, ``ack``) exits the process with status 137 right after that point,
-which is how the tests crash the trainer between two of these writes.
+``PLEXRL_FAULT=trainer.<point>[@<run_id>][:<step>]`` (points: ``train``, ``checkpoint``,
+``publish``, ``progress``, ``ack``; see :mod:`services.launch.faults`) exits the process with
+status 137 right after that point, which is how the tests crash the trainer between two of
+these writes.
 """
 
 from __future__ import annotations
@@ -38,9 +39,11 @@ from typing import Any
 
 from opentelemetry import trace
 
+from schemas.records import Progress
 from services.bus import Bus, Delivery
-from services.registry.mirror import RunMirror
-from services.registry.progress import Progress, write_progress
+from services.launch.faults import crash_point
+from services.runs.mirror import RunMirror
+from services.runs.progress import write_progress
 from services.telemetry.metrics import record_trainer_step
 from services.trainer.checkpoint import append_step_log, recover_step_log, save_checkpoint
 from services.trainer.intake import Held
@@ -50,20 +53,6 @@ from services.trainer.step import RunResult
 from services.weights import WeightPublisher
 
 log = logging.getLogger(__name__)
-
-CRASH_ENV = "PLEXRL_TRAINER_CRASH_AFTER"
-
-
-def crash_point(point: str, run_id: str, step: int) -> None:
-    """Exit at once (status 137, as SIGKILL) if ``PLEXRL_TRAINER_CRASH_AFTER`` names this point."""
-    spec = os.environ.get(CRASH_ENV)
-    if not spec:
-        return
-    rest, _, at_step = spec.partition(":")
-    name, _, target = rest.partition("@")
-    if name == point and target in ("", run_id) and at_step in ("", str(step)):
-        log.critical("%s=%s: exiting after %s of %s step %d", CRASH_ENV, spec, point, run_id, step)
-        os._exit(137)
 
 
 @dataclass
@@ -137,7 +126,7 @@ class Committer:
             self._trained.setdefault(run_id, []).append(
                 _Trained(step, _record(state, result, held, self.kind), [held.delivery])
             )
-            crash_point("train", run_id, step)
+            crash_point("trainer.train", run_id, step)
             committed = state.checkpoint_due()
             if committed:
                 await self._checkpoint(state)
@@ -150,12 +139,12 @@ class Committer:
                 base_model_path=self.base_model_path,
                 kind=self.kind,
             )
-            crash_point("publish", run_id, step)
+            crash_point("trainer.publish", run_id, step)
             await write_progress(self.bus, run_id, _progress(state))
-            crash_point("progress", run_id, step)
+            crash_point("trainer.progress", run_id, step)
             if committed:
                 await self._ack_committed(run_id)
-                crash_point("ack", run_id, step)
+                crash_point("trainer.ack", run_id, step)
 
     async def refuse(self, state: RunState, result: RunResult, held: Held) -> None:
         """Ack the refused batch (its step is not applied) and ask for the run's eviction."""
@@ -185,7 +174,7 @@ class Committer:
                 save_checkpoint, self.output_dir, state.run_id, ckpt, state.config.ckpt.keep
             )
         state.committed_step = ckpt.step
-        crash_point("checkpoint", state.run_id, ckpt.step - 1)
+        crash_point("trainer.checkpoint", state.run_id, ckpt.step - 1)
         trained = self._trained.get(state.run_id, [])
         await asyncio.to_thread(
             append_step_log,

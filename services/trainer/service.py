@@ -36,11 +36,11 @@ from schemas.subjects import ROLLOUTS_STREAM, ROLLOUTS_WILDCARD
 from services.bus import Bus, Consumer
 from services.model.full import FullWeights
 from services.model.lora import MultiLoRA
-from services.registry.mirror import RunMirror
+from services.runs.mirror import RunMirror
 from services.trainer.checkpoint import latest_checkpoint, remove_partials
 from services.trainer.commit import Committer
 from services.trainer.distributed import SINGLE, Ranks
-from services.trainer.intake import Held, Intake, RunView
+from services.trainer.intake import Held, Intake, RunSteps
 from services.trainer.settings import TrainerSettings
 from services.trainer.slots import WeightSlots
 from services.trainer.state import RunSetupError, RunState, create_run_state
@@ -85,7 +85,13 @@ class Trainer:
             device=self.device,
             ranks=ranks,
         )
-        self.mirror = RunMirror(bus, settings.max_runs, service=settings.service)
+        self.mirror = RunMirror(
+            bus,
+            settings.max_runs,
+            service=settings.service,
+            broadcast=ranks.broadcast_object if ranks.distributed else None,
+            main=ranks.is_main,
+        )
         self.mirror.register_deletion_hook(self._on_delete)
         self.mirror.register_creation_hook(self._on_create)
         self.states: dict[int, RunState] = {}
@@ -238,12 +244,12 @@ class Trainer:
         for work in pending:
             await work
 
-    def _views(self) -> dict[str, RunView]:
+    def _views(self) -> dict[str, RunSteps]:
         views = {
-            s.run_id: RunView(s.next_step, s.committed_step, s.evicting is not None)
+            s.run_id: RunSteps(s.next_step, s.committed_step, s.evicting is not None)
             for s in self.states.values()
         }
-        views.update({run_id: RunView(0, 0, evicting=True) for run_id in self.refused})
+        views.update({run_id: RunSteps(0, 0, evicting=True) for run_id in self.refused})
         return views
 
     async def _collect(self) -> dict[int, Held]:
@@ -297,7 +303,7 @@ class Trainer:
 
 
 def build_publisher(settings: TrainerSettings, bus: Bus) -> WeightPublisher:
-    """The weight publisher of ``settings.weight_transport``, its sender built for a direct one.
+    """The weight publisher of ``settings.weight_transport``, with its transport's sender.
 
     Whether the transport can run here is checked first (``plexrl trainer`` checks it before
     connecting); an unusable one raises :class:`TransportUnavailable` with the reason.
@@ -306,24 +312,20 @@ def build_publisher(settings: TrainerSettings, bus: Bus) -> WeightPublisher:
     reason = unavailable_reason(transport)
     if reason is not None:
         raise TransportUnavailable(reason)
-    sender = None
-    if transport == "collective":
-        from services.weights.collective import CollectiveSender
+    from services.weights import SenderOptions
 
-        sender = CollectiveSender(
-            bus,
-            settings.collective_host,
-            settings.collective_port,
-            settings.collective_bucket_bytes,
-        )
     return WeightPublisher(
         bus,
         settings.output_dir,
         transport=transport,
         keep_last=settings.keep_weights,
-        sender=sender,
-        ucx_host=settings.ucx_host,
-        ucx_port=settings.ucx_port,
+        options=SenderOptions(
+            ucx_host=settings.ucx_host,
+            ucx_port=settings.ucx_port,
+            collective_host=settings.collective_host,
+            collective_port=settings.collective_port,
+            collective_bucket_bytes=settings.collective_bucket_bytes,
+        ),
     )
 
 
@@ -358,31 +360,22 @@ def build_model(
     return model, slots, int(pad_id or 0), vocab_size
 
 
-async def serve(
-    settings: TrainerSettings, nats_url: str, stop: asyncio.Event, ranks: Ranks
-) -> None:
-    """Connect, load the model and train until ``stop``; what ``plexrl trainer`` runs."""
-    name = settings.service if ranks.is_main else f"{settings.service}-{ranks.rank}"
-    bus = await Bus.connect(nats_url, name)
-    try:
-        device = torch.device(f"cuda:{ranks.local_rank}" if settings.device == "cuda" else "cpu")
-        model, lora, pad_id, vocab_size = await asyncio.to_thread(build_model, settings, device)
-        trainer = Trainer(
-            settings, bus, model, lora, pad_id=pad_id, vocab_size=vocab_size, ranks=ranks
-        )
-        what = (
-            "the full weights, for one run,"
-            if settings.full_weights
-            else f"{settings.max_runs} slots (max rank {settings.max_lora_rank})"
-        )
-        log.info(
-            "trainer: rank %d/%d training %s of %s on %s",
-            ranks.rank,
-            ranks.world_size,
-            what,
-            settings.model,
-            device,
-        )
-        await trainer.run(stop)
-    finally:
-        await bus.close()
+async def serve(settings: TrainerSettings, bus: Bus, stop: asyncio.Event, ranks: Ranks) -> None:
+    """Load the model and train until ``stop``; what ``plexrl trainer`` runs once connected."""
+    device = torch.device(f"cuda:{ranks.local_rank}" if settings.device == "cuda" else "cpu")
+    model, lora, pad_id, vocab_size = await asyncio.to_thread(build_model, settings, device)
+    trainer = Trainer(settings, bus, model, lora, pad_id=pad_id, vocab_size=vocab_size, ranks=ranks)
+    what = (
+        "the full weights, for one run,"
+        if settings.full_weights
+        else f"{settings.max_runs} slots (max rank {settings.max_lora_rank})"
+    )
+    log.info(
+        "trainer: rank %d/%d training %s of %s on %s",
+        ranks.rank,
+        ranks.world_size,
+        what,
+        settings.model,
+        device,
+    )
+    await trainer.run(stop)

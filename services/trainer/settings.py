@@ -12,25 +12,13 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from schemas.config import DEFAULT_MAX_LORA_RANK
+from schemas.config import DEFAULT_MAX_LORA_RANK, DEFAULT_TARGET_MODULES
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,48}$")
-
-# The same list as services.model.lora.DEFAULT_TARGET_MODULES (a test checks it), repeated here
-# because importing that module imports torch.
-DEFAULT_TARGET_MODULES = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)
 
 
 def default_threads() -> int:
@@ -157,14 +145,6 @@ class TrainerSettings(BaseModel):
     service: str = Field(
         "trainer", description="service name: errors go to plexrl.errors.<service>"
     )
-
-    @field_validator("target_modules", mode="before")
-    @classmethod
-    def _split_modules(cls, v: Any) -> Any:
-        # PLEXRL_TARGET_MODULES and --target-modules arrive as one string
-        if isinstance(v, str):
-            return [m for m in re.split(r"[,\s]+", v) if m]
-        return v
 
     @field_validator("consumer_name", "service")
     @classmethod

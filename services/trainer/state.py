@@ -29,8 +29,8 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from schemas.config import OrchConfig
 from schemas.events import LoraSpec, WeightKind
+from schemas.records import Progress
 from services.model.lora import MultiLoRA
-from services.registry.progress import Progress
 from services.trainer.checkpoint import Checkpoint
 from services.trainer.loss import LossParams
 from services.trainer.schedule import build_lr_scheduler

@@ -9,13 +9,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from schemas.config import OrchConfig, orch_config_from_dict
+from services.config import process_settings
 
 DEMO_ENVS = ("reverse", "copy", "add")
 FULL_WEIGHTS_LR = 3e-4
 
 
 def default_cache_dir() -> Path:
-    base = os.environ.get("PLEXRL_CACHE_DIR") or os.environ.get("XDG_CACHE_HOME")
+    """``PLEXRL_CACHE_DIR``, else ``XDG_CACHE_HOME``, else ``~/.cache``; then ``plexrl``."""
+    base = process_settings().cache_dir or os.environ.get("XDG_CACHE_HOME")
     return Path(base) / "plexrl" if base else Path.home() / ".cache" / "plexrl"
 
 
@@ -27,14 +29,19 @@ class UpSettings(BaseModel):
     output_dir: Path | None = Field(None, description="default: ./outputs/up-<timestamp>")
     runs: int = Field(3, ge=1, le=16, description="demo runs, cycling through the envs")
     steps: int = Field(40, ge=1, le=100_000, description="RL steps per run")
-    max_async_level: int = Field(1, ge=0, le=16)
-    envs: list[str] = Field(default_factory=lambda: list(DEMO_ENVS))
+    max_async_level: int = Field(
+        1, ge=0, le=16, description="steps generation may run ahead of training"
+    )
+    envs: list[str] = Field(
+        default_factory=lambda: list(DEMO_ENVS),
+        description="environments the demo runs cycle through",
+    )
     model: Path | None = Field(
         None, description="a Hugging Face model dir; default: the cached warm-started tiny model"
     )
     max_runs: int = Field(4, ge=1, le=64, description="adapter slots in trainer and inference")
-    trainer_threads: int = Field(1, ge=1, le=256)
-    inference_threads: int = Field(1, ge=1, le=256)
+    trainer_threads: int = Field(1, ge=1, le=256, description="the trainer's torch threads")
+    inference_threads: int = Field(1, ge=1, le=256, description="inference's torch threads")
     weight_transport: Literal["object_store", "filesystem", "ucx", "collective"] = Field(
         "object_store", description="how the trainer's adapters reach inference"
     )

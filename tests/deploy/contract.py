@@ -1,8 +1,10 @@
 """What the deployment files may set: the environment variables each plexrl command reads.
 
 A service reads ``PLEXRL_<FIELD>`` for every field of its settings model (services/config/
-loader.py), ``PLEXRL_NATS_URL`` (every command), the ``OTEL_*`` variables of services/bus/
-tracing.py, and the container health check reads its own (deploy/healthcheck.py). The deploy
+loader.py) and of ``ProcessSettings`` (services/config/process.py: ``PLEXRL_NATS_URL``,
+``PLEXRL_STREAM_REPLICAS``... read by every command), the metrics variables of
+services/telemetry/metrics.py, the ``OTEL_*`` variables of services/bus/tracing.py, and the
+container health check reads its own (deploy/healthcheck.py). The deploy
 tests compare the variables set in deploy/local.yml and deploy/k8s/ with these sets.
 """
 
@@ -13,6 +15,8 @@ import importlib.util
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from services.config import ProcessSettings, env_name
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -27,9 +31,10 @@ SETTINGS_BY_COMMAND = {
     "orchestrator": "services.orchestrator.settings:OrchestratorSettings",
 }
 
-# Read by every command (services/config/loader.py: nats_url; services/bus/bus.py:
-# stream_replicas).
-COMMON_PLEXRL_ENV = frozenset({"PLEXRL_NATS_URL", "PLEXRL_STREAM_REPLICAS"})
+# Read by every command: the process settings (metrics port and host among them), and the
+# standard OpenTelemetry fallbacks for where metrics are served.
+COMMON_PLEXRL_ENV = frozenset(env_name(name) for name in ProcessSettings.model_fields)
+METRICS_ENV = frozenset({"OTEL_EXPORTER_PROMETHEUS_PORT", "OTEL_EXPORTER_PROMETHEUS_HOST"})
 
 # Read by services/bus/tracing.py (setup_tracing); a test checks each name is in that file.
 OTEL_ENV = frozenset(
@@ -70,9 +75,9 @@ def healthcheck_module() -> ModuleType:
 def env_read_by(command: str) -> frozenset[str]:
     """Every environment variable a container running ``plexrl <command>`` reads."""
     fields = settings_class(command).model_fields
-    own = {f"PLEXRL_{name.upper()}" for name in fields}
+    own = {env_name(name) for name in fields}
     health = set(healthcheck_module().ENV_VARS)
-    return frozenset(own | COMMON_PLEXRL_ENV | OTEL_ENV | health)
+    return frozenset(own | COMMON_PLEXRL_ENV | METRICS_ENV | OTEL_ENV | health)
 
 
 def image_name(image: str) -> str:

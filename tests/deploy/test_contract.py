@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from services.config import ProcessSettings
+
 from .contract import COMMON_PLEXRL_ENV, OTEL_ENV, REPO, SETTINGS_BY_COMMAND, env_read_by
 
 
@@ -13,13 +15,20 @@ def test_tracing_reads_every_otel_variable_the_deploy_files_may_set() -> None:
         assert f'"{name}"' in tracing, name
 
 
-def test_every_command_reads_the_common_variables() -> None:
+def test_every_process_setting_is_used_and_read_through_the_loader() -> None:
+    # each field of ProcessSettings is read somewhere outside services/config ...
     code = "".join(
-        (REPO / "services" / sub).read_text(encoding="utf-8")
-        for sub in ("config/loader.py", "bus/bus.py")
+        p.read_text(encoding="utf-8")
+        for p in (REPO / "services").rglob("*.py")
+        if p.parent.name != "config"
     )
-    for name in COMMON_PLEXRL_ENV:
-        assert f'"{name}"' in code, name
+    for name in ProcessSettings.model_fields:
+        assert f".{name}" in code, name
+    # ... and no service reads a PLEXRL_* variable of its own past the settings loader
+    direct = re.compile(r"""(environ\.get|environ\[|getenv)\(?\s*["']PLEXRL_""")
+    for path in (REPO / "services").rglob("*.py"):
+        assert not direct.search(path.read_text(encoding="utf-8")), path
+    assert {"PLEXRL_NATS_URL", "PLEXRL_STREAM_REPLICAS", "PLEXRL_FAULT"} <= COMMON_PLEXRL_ENV
 
 
 def test_settings_models_give_the_variables_the_deploy_files_rely_on() -> None:

@@ -12,11 +12,12 @@ import torch
 
 from schemas.codec import Format, decode
 from schemas.events import RolloutBatch, RunSubmitted, WeightsReady
+from schemas.records import Progress
 from schemas.subjects import SUBMIT, rollout_msg_id, rollouts_subject
 from services.bus import Bus
-from services.registry.progress import Progress, read_progress
 from services.registry.service import Registry
 from services.registry.settings import RegistrySettings
+from services.runs.progress import read_progress
 from services.trainer.service import Trainer, build_model
 from services.trainer.settings import TrainerSettings
 

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from schemas.config import DEFAULT_TARGET_MODULES
 from services.config import SettingsError, load_settings
 from services.trainer.intake import place
-from services.trainer.settings import DEFAULT_TARGET_MODULES, TrainerSettings, default_threads
+from services.trainer.settings import TrainerSettings, default_threads
 
 REPO = Path(__file__).parents[2]
 

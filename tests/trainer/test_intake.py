@@ -10,7 +10,7 @@ from trainer_support import make_batch
 from schemas.events import RolloutBatch
 from schemas.subjects import ROLLOUTS_STREAM, ROLLOUTS_WILDCARD
 from services.bus import Consumer
-from services.trainer.intake import Intake, RunView
+from services.trainer.intake import Intake, RunSteps
 
 
 def _consumer(bus, name: str = "trainer") -> Consumer[RolloutBatch]:
@@ -46,7 +46,7 @@ async def test_batches_are_placed_by_the_run_expected_step(own_bus):
     await _fill(intake, 5)
 
     # run_a's checkpoint holds 2 steps, it has trained 3: step 3 is next
-    selection = await intake.select({"run_a": RunView(next_step=3, committed_step=2)})
+    selection = await intake.select({"run_a": RunSteps(next_step=3, committed_step=2)})
     assert selection.train["run_a"].batch.step == 3
     assert [h.batch.step for h in selection.uncommitted] == [2]
     assert sorted(intake.pending["run_a"]) == [4]  # held for its turn
@@ -61,10 +61,10 @@ async def test_batches_are_placed_by_the_run_expected_step(own_bus):
     kept = intake.pending["run_a"][4]
     assert kept.batch == make_batch("run_a", 4)  # the first one stays
     assert intake.num_skipped == 3
-    assert not intake.has_trainable({"run_a": RunView(next_step=5, committed_step=5)})
-    assert intake.has_trainable({"run_a": RunView(next_step=4, committed_step=4)})
+    assert not intake.has_trainable({"run_a": RunSteps(next_step=5, committed_step=5)})
+    assert intake.has_trainable({"run_a": RunSteps(next_step=4, committed_step=4)})
     # a run given a batch this step is left alone by the second pick
-    again = await intake.select({"run_a": RunView(4, 4)}, skip={"run_a"})
+    again = await intake.select({"run_a": RunSteps(4, 4)}, skip={"run_a"})
     assert again.train == {} and 4 in intake.pending["run_a"]
 
 

@@ -1,7 +1,7 @@
 """Every step of every run is trained exactly once across trainer crashes.
 
 A trainer subprocess is killed again and again: at each window of the commit sequence
-(checkpoint -> step log -> WeightsReady -> progress -> ack, via PLEXRL_TRAINER_CRASH_AFTER) and
+(checkpoint -> step log -> WeightsReady -> progress -> ack, via PLEXRL_FAULT) and
 once by SIGKILL from outside at an arbitrary moment. Every restart resumes from the checkpoints
 and the redelivered batches. The step log lists each trained step once it is committed, so a
 step trained twice shows up twice, and a step skipped never shows up (and the run stalls).
@@ -36,9 +36,9 @@ def _trainer(url: str, model: Path, out: Path, log: Path, crash: str | None) -> 
         "PLEXRL_UNKNOWN_RUN_HOLD": "0.5",
         "PLEXRL_COLLECT_MS": "0",
     }
-    env.pop("PLEXRL_TRAINER_CRASH_AFTER", None)
+    env.pop("PLEXRL_FAULT", None)
     if crash:
-        env["PLEXRL_TRAINER_CRASH_AFTER"] = crash
+        env["PLEXRL_FAULT"] = f"trainer.{crash}"
     cmd = [
         sys.executable,
         "-m",

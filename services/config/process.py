@@ -1,0 +1,71 @@
+"""Settings of the process rather than of one service, read by every ``plexrl`` command.
+
+Each is the variable ``PLEXRL_<FIELD>`` (``--nats-url`` is also a flag); they go through
+:func:`~services.config.loader.load_settings` like the services' own settings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.config.loader import load_settings
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+
+
+class ProcessSettings(BaseModel):
+    """Where NATS is and how this process treats it, the host and itself."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    nats_url: str = Field(
+        DEFAULT_NATS_URL, min_length=1, description="NATS server(s), comma-separated"
+    )
+    stream_replicas: int = Field(
+        1,
+        ge=1,
+        le=5,
+        description="copies of each stream, bucket and object store: 1 on one server, 3 on a "
+        "three-server cluster (provisioning raises the count of an existing stream)",
+    )
+    nats_server: Path | None = Field(
+        None,
+        description="the nats-server binary that `plexrl up` and the tests start (default: the "
+        "one beside the Python interpreter, then PATH)",
+    )
+    cache_dir: Path | None = Field(
+        None,
+        description="base of plexrl's cache: `plexrl up` keeps its warm-started tiny model in "
+        "{cache_dir}/plexrl/models (default: $XDG_CACHE_HOME, then ~/.cache)",
+    )
+    malloc_tuning: bool = Field(
+        True,
+        description="raise glibc's mmap and trim thresholds at start-up (services/model/host.py)",
+    )
+    metrics_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="serve Prometheus /metrics on this port; 0 turns metrics off (unset: "
+        "OTEL_EXPORTER_PROMETHEUS_PORT, then off)",
+    )
+    metrics_host: str | None = Field(
+        None,
+        min_length=1,
+        description="address /metrics listens on (unset: OTEL_EXPORTER_PROMETHEUS_HOST, then "
+        "127.0.0.1)",
+    )
+    fault: str = Field(
+        "",
+        description="tests only: exit with status 137 at a named point, "
+        "'<point>[@<run_id>][:<at>]' (services/launch/faults.py)",
+    )
+
+
+def process_settings(environ: Mapping[str, str] | None = None, **flags: Any) -> ProcessSettings:
+    """The process settings from ``PLEXRL_*`` (``environ``, default ``os.environ``) and flags."""
+    return load_settings(ProcessSettings, None, flags, environ)

@@ -1,0 +1,85 @@
+"""Start-up, serving and shutdown of a process that talks to NATS (see the package docstring)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from typing import Any
+
+from services.bus import Bus, BusUnavailable, setup_tracing, stop_on_signals
+from services.bus.tracing import shutdown_tracing
+from services.telemetry.metrics import setup_metrics
+
+EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE = 0, 1, 2
+
+Serve = Callable[[Bus, asyncio.Event], Awaitable[int | None]]
+Errors = Mapping[type[BaseException], int]
+
+
+def fail(command: str, message: object, status: int = EXIT_USAGE) -> int:
+    """Say what went wrong as ``plexrl <command>: <message>`` on stderr; return ``status``."""
+    print(f"plexrl {command}: {message}", file=sys.stderr)
+    return status
+
+
+def run_service(
+    command: str,
+    serve: Serve,
+    *,
+    nats_url: str,
+    service: str,
+    bus_name: str | None = None,
+    errors: Errors | None = None,
+) -> int:
+    """Run ``serve(bus, stop)`` as service ``service`` until it returns; the exit status.
+
+    ``stop`` is set by SIGTERM or SIGINT; ``serve`` returns once it has stopped cleanly, and the
+    connection is drained after it. ``serve`` may return an exit status (None is 0).
+    ``errors`` maps exception types raised by ``serve`` to exit statuses (the message goes to
+    stderr); an unreachable NATS server is always status 1.
+    """
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    setup_tracing(service)
+    setup_metrics(service)
+    try:
+        return _run(command, _connected(serve, nats_url, bus_name or service, True), errors)
+    finally:
+        shutdown_tracing()
+
+
+def run_client(
+    command: str,
+    body: Callable[[Bus], Awaitable[int | None]],
+    *,
+    nats_url: str,
+    errors: Errors | None = None,
+) -> int:
+    """Run ``body(bus)`` on a short-lived connection named ``cli``; the exit status.
+
+    No signal handling: Ctrl-C interrupts a client at once.
+    """
+    # the bus's "disconnected, reconnecting" notice at close is noise in a short-lived client
+    logging.getLogger("services.bus.bus").setLevel(logging.ERROR)
+    return _run(command, _connected(lambda bus, _: body(bus), nats_url, "cli", False), errors)
+
+
+async def _connected(serve: Serve, url: str, name: str, signals: bool) -> int:
+    stop = stop_on_signals() if signals else asyncio.Event()
+    bus = await Bus.connect(url, name)
+    try:
+        return int(await serve(bus, stop) or EXIT_OK)
+    finally:
+        await bus.close()
+
+
+def _run(command: str, main: Coroutine[Any, Any, int], errors: Errors | None) -> int:
+    statuses: dict[type[BaseException], int] = {BusUnavailable: EXIT_UNAVAILABLE, **(errors or {})}
+    try:
+        return asyncio.run(main)
+    except tuple(statuses) as exc:
+        status = next(s for kind, s in statuses.items() if isinstance(exc, kind))
+        return fail(command, exc, status)
