@@ -86,8 +86,8 @@ from schemas.events import LoraSpec, Transport, WeightsReady
 from schemas.subjects import weights_object_key, weights_subject
 from services.bus import Bus, EmbeddedNats
 from services.model.peft_io import peft_adapter_config, write_weights_dir
-from services.weights import WeightPublisher, delete_blob, load_weights
-from services.weights.blobs import write_blob
+from services.weights import WeightPublisher, load_weights
+from services.weights.blobs import delete_blob, write_blob
 from services.weights.stream import EncodedStream, byte_view
 
 MB = 1 << 20

@@ -168,41 +168,6 @@ def _step(step: int) -> int:
     return step
 
 
-_FIXED_SUBJECTS: dict[type[Event], str] = {
-    RunSubmitted: SUBMIT,
-    RunDiscovered: DISCOVERED,
-    RunConfigInvalid: INVALID,
-    EvictRequested: EVICT,
-    RunEvicted: EVICTED,
-    RunForgotten: FORGOTTEN,
-    GenerateRequest: GENERATE,
-}
-
-
-def subject_for(event: Event) -> str:
-    """The subject ``event`` is published on.
-
-    A GenerateResponse has none: it goes to the requester's reply inbox.
-    """
-    match event:
-        case RolloutBatch(run_id=run_id):
-            return rollouts_subject(run_id)
-        case WeightsReady(run_id=run_id):
-            return weights_subject(run_id)
-        case InvalidMessage(service=service) | ServiceError(service=service):
-            return errors_subject(service)
-        case GenerateResponse():
-            raise ValueError("a GenerateResponse goes to the request's reply subject")
-        case JoinRequest() | LeaveRequest() | GroupState() | GroupFormed() | Ping() | Pong():
-            raise ValueError(
-                f"a {type(event).__name__} goes to its group's subject (collective_subjects)"
-            )
-    try:
-        return _FIXED_SUBJECTS[type(event)]
-    except KeyError:
-        raise ValueError(f"no subject for {type(event).__name__}") from None
-
-
 # --- the channel table -----------------------------------------------------------------------
 
 

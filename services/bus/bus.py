@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
@@ -35,15 +34,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 LEADING_BYTES = 256
-
-
-def stream_replicas(environ: Mapping[str, str] | None = None) -> int:
-    """Copies of each stream, bucket and object store: ``PLEXRL_STREAM_REPLICAS`` (1 to 5).
-
-    One server keeps one copy; a three-server cluster keeps three so losing a server loses
-    nothing. Provisioning sets the count when it creates a stream and raises it on an existing one.
-    """
-    return process_settings(environ).stream_replicas
 
 
 async def _any_reachable(servers: list[str], timeout: float) -> bool:
@@ -126,7 +116,7 @@ class Bus:
         bus = cls(nc, service, fmt)
         closing.append(bus)
         if provision_streams:
-            await provision(bus.js, replicas=stream_replicas())
+            await provision(bus.js, replicas=process_settings().stream_replicas)
         return bus
 
     async def close(self) -> None:

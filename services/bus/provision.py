@@ -69,9 +69,6 @@ STREAMS: tuple[StreamSpec, ...] = (
     ),
 )
 
-KV_BUCKETS: dict[str, str] = sj.KV_BUCKETS
-OBJECT_STORE = sj.OBJECT_STORE_WEIGHTS
-
 
 def _differs(current: api.StreamConfig, wanted: api.StreamConfig) -> bool:
     for f in (
@@ -120,7 +117,7 @@ async def provision(js: JetStreamContext, replicas: int = 1) -> list[str]:
             )
             await js.update_stream(merged)
             changed.append(f"updated stream {spec.name}")
-    for bucket, description in KV_BUCKETS.items():
+    for bucket, description in sj.KV_BUCKETS.items():
         try:
             await js.key_value(bucket)
         except BucketNotFoundError:
@@ -131,9 +128,9 @@ async def provision(js: JetStreamContext, replicas: int = 1) -> list[str]:
             )
             changed.append(f"created bucket {bucket}")
     try:
-        await js.object_store(OBJECT_STORE)
+        await js.object_store(sj.OBJECT_STORE_WEIGHTS)
     except (BucketNotFoundError, NotFoundError):
         # nats-py 2.x: passing a config that names the bucket fails; the name alone works.
-        await js.create_object_store(OBJECT_STORE, replicas=replicas)
-        changed.append(f"created object store {OBJECT_STORE}")
+        await js.create_object_store(sj.OBJECT_STORE_WEIGHTS, replicas=replicas)
+        changed.append(f"created object store {sj.OBJECT_STORE_WEIGHTS}")
     return changed

@@ -7,12 +7,7 @@ neither torch nor any service, so the registry's validation stays light.
 
 from services.envs.arithmetic import AddEnv
 from services.envs.base import PROMPT_CHARACTERS, Environment, Prompt
-from services.envs.loader import (
-    BUILTIN_ENVS,
-    EnvFactory,
-    EnvLoadError,
-    load_environment,
-)
+from services.envs.loader import BUILTIN_ENVS, EnvLoadError, load_environment
 from services.envs.prompts import decode_ids, encode_text, prompt_token_ids, score_completion
 from services.envs.strings import CopyEnv, ReverseEnv
 
@@ -21,7 +16,6 @@ __all__ = [
     "PROMPT_CHARACTERS",
     "AddEnv",
     "CopyEnv",
-    "EnvFactory",
     "EnvLoadError",
     "Environment",
     "Prompt",

@@ -44,15 +44,6 @@ class Environment(ABC):
     def score(self, prompt: Prompt, completion_text: str) -> float:
         """The reward of ``completion_text`` as an answer to ``prompt``, in [0, 1]."""
 
-    def demonstration(self, index: int) -> str:
-        """Prompt ``index`` followed by its correct answer: text to warm-start a model on.
-
-        The caller appends the tokenizer's end-of-sequence token so that the model also learns
-        to stop.
-        """
-        p = self.prompt(index)
-        return p.text + p.target
-
     def rng(self, index: int) -> random.Random:
         """A generator for prompt ``index`` alone.
 

@@ -238,22 +238,17 @@ class InferenceService:
 
     async def _install(self, event: WeightsReady, tensors: dict[str, Any]) -> None:
         slot = self.mirror.idx_of(event.run_id)
-        if slot is None:  # removed while its adapter was loading
-            return
-        if await self.engine.load_adapter(slot, event, tensors):
-            self._installed(event)
-        else:
-            self.ignored_versions += 1
+        if slot is not None:  # None: removed while its adapter was loading
+            self._installed(event, await self.engine.load_adapter(slot, event, tensors))
 
     async def _install_full(self, event: WeightsReady, load: LoadInto) -> None:
-        if self.mirror.idx_of(event.run_id) is None:  # removed while the event waited
-            return
-        if await self.engine.install_full(event, load):
-            self._installed(event)
-        else:
-            self.ignored_versions += 1
+        if self.mirror.idx_of(event.run_id) is not None:  # None: removed while the event waited
+            self._installed(event, await self.engine.install_full(event, load))
 
-    def _installed(self, event: WeightsReady) -> None:
+    def _installed(self, event: WeightsReady, installed: bool) -> None:
+        if not installed:
+            self.ignored_versions += 1
+            return
         if len(self.installed_at) >= 4096:  # a bounded record: forget the oldest half
             for key in list(self.installed_at)[:2048]:
                 del self.installed_at[key]

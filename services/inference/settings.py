@@ -16,8 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from schemas.config import DEFAULT_MAX_LORA_RANK, DEFAULT_TARGET_MODULES
-
-_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+from services.config.fields import Token64
 
 
 def default_replica_name() -> str:
@@ -46,6 +45,7 @@ class InferenceSettings(BaseModel):
     )
     target_modules: list[str] = Field(
         default_factory=lambda: list(DEFAULT_TARGET_MODULES),
+        min_length=1,
         description="module names that carry LoRA adapters; must match the trainer's",
     )
     output_dir: Path = Field(
@@ -66,12 +66,12 @@ class InferenceSettings(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="model dtype: 'auto' is float32 on CPU and bfloat16 on GPU"
     )
-    replica_name: str = Field(
+    replica_name: Token64 = Field(
         default_factory=default_replica_name,
         description="this replica's name, sent in the Plexrl-Replica reply header (default "
         "<host>-<pid>)",
     )
-    service: str = Field(
+    service: Token64 = Field(
         "inference", description="service name: errors go to plexrl.errors.<service>"
     )
     weight_load_attempts: int = Field(
@@ -85,20 +85,6 @@ class InferenceSettings(BaseModel):
     gpu_memory_utilization: float = Field(
         0.85, gt=0, le=1.0, description="vllm: fraction of GPU memory the engine may take"
     )
-
-    @field_validator("target_modules")
-    @classmethod
-    def _some_modules(cls, v: list[str]) -> list[str]:
-        if not v:
-            raise ValueError("name at least one target module (e.g. q_proj,v_proj)")
-        return v
-
-    @field_validator("replica_name", "service")
-    @classmethod
-    def _token(cls, v: str) -> str:
-        if not _NAME_RE.fullmatch(v):
-            raise ValueError(f"{v!r}: use 1-64 letters, digits, '_' or '-'")
-        return v
 
     @field_validator("device")
     @classmethod

@@ -24,6 +24,7 @@ are refused. A load that fails after writing part of the parameters leaves the r
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -350,19 +351,15 @@ class TorchEngine:
         for k, job in enumerate(jobs):
             if versions[k] < 0:
                 continue
-            completions = []
-            for _ in job.prompts:
-                group = []
-                for _ in range(job.n):
-                    out = next(outputs)
-                    group.append(
-                        Completion(
-                            token_ids=out.token_ids,
-                            logprobs=out.logprobs,
-                            finish_reason=out.finish_reason,
-                        )
+            completions = [
+                [
+                    Completion(
+                        token_ids=o.token_ids, logprobs=o.logprobs, finish_reason=o.finish_reason
                     )
-                completions.append(group)
+                    for o in itertools.islice(outputs, job.n)
+                ]
+                for _ in job.prompts
+            ]
             outcomes[k] = JobResult(policy_version=versions[k], completions=completions)
         return outcomes
 

@@ -284,15 +284,8 @@ class MultiLoRA:
     def max_rank(self) -> int:
         return self.context.max_rank
 
-    @property
-    def module_names(self) -> list[str]:
-        return list(self.layers)
-
     def slot_rank(self, idx: int) -> int:
         return self.context.rank(idx)
-
-    def slot_alpha(self, idx: int) -> float:
-        return self.context.alpha(idx)
 
     # --- choosing slots ------------------------------------------------------------------------
 

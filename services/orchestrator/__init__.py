@@ -8,8 +8,5 @@
 - :mod:`.versions`: the policy versions the trainer has announced (the off-policy clock);
 - :mod:`.state`: the checkpoint and where a restarted orchestrator resumes;
 - :mod:`.metrics`: ``metrics.jsonl``;
-- :mod:`.envs` and :mod:`.advantages`: environments and group-relative advantages.
-
-Nothing is imported here, so that importing :mod:`.envs` (the registry does, to validate
-configs) does not pull in torch.
+- :mod:`.advantages`: group-relative advantages.
 """

@@ -17,8 +17,7 @@ Each line describes one published step (DESIGN.md guarantees ``step``, ``reward_
 - ``truncated_frac`` is the fraction of completions cut by ``max_tokens`` instead of ending on
   end-of-sequence.
 
-A step republished after a crash may appear twice; readers keep the last line of each step
-(:func:`read_metrics` does).
+A step republished after a crash may appear twice; readers keep the last line of each step.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from schemas.events import RolloutBatch
 from services.orchestrator.state import run_dir
@@ -110,28 +108,7 @@ def metrics_path(output_dir: Path | str, run_id: str) -> Path:
 
 def append_metrics(path: Path, metrics: StepMetrics) -> None:
     """Append one line. A single ``write`` of a line in append mode, so a concurrent reader
-    (``plexrl up``'s live view) sees whole lines; a crash can at worst cut the last one, which
-    :func:`read_metrics` skips."""
+    (``plexrl up``'s live view) sees whole lines; a crash can at worst cut the last one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a", encoding="utf-8") as f:
         f.write(metrics.to_json() + "\n")
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The metrics of each step in step order, the last line of a step winning.
-
-    Lines that are not JSON objects with an integer ``step`` (a line cut by a crash) are skipped.
-    """
-    by_step: dict[int, dict[str, Any]] = {}
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return []
-    for line in text.splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int):
-            by_step[row["step"]] = row
-    return [by_step[s] for s in sorted(by_step)]

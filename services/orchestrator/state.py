@@ -128,14 +128,8 @@ def resume_step(
     checkpoint_next_step: int | None, trainer_step: int | None, last_stream_step: int | None
 ) -> int:
     """The first step to build: the furthest the checkpoint, the trainer or the stream got."""
-    candidates = [0]
-    if checkpoint_next_step is not None:
-        candidates.append(checkpoint_next_step)
-    if trainer_step is not None:
-        candidates.append(trainer_step)
-    if last_stream_step is not None:
-        candidates.append(last_stream_step + 1)
-    return max(candidates)
+    after_stream = None if last_stream_step is None else last_stream_step + 1
+    return max(s for s in (0, checkpoint_next_step, trainer_step, after_stream) if s is not None)
 
 
 async def last_published_step(bus: Bus, run_id: str, since: datetime | None = None) -> int | None:

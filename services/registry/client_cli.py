@@ -121,16 +121,13 @@ async def _await_answer(
     """Poll the run table and watch for a rejection until the registry has answered."""
     from schemas.codec import DecodeError, decode
     from schemas.events import RunConfigInvalid, ServiceError
-    from schemas.subjects import KV_REGISTRY
-    from services.runs.table import decode_record
+    from services.runs.table import read_record
 
-    kv = await bus.js.key_value(KV_REGISTRY)
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
         try:
-            entry = await kv.get(run_id)
-            rec = decode_record(entry.value) if entry.value else None
-        except Exception:  # no record yet
+            rec = await read_record(bus, run_id)
+        except Exception:  # unreadable, or the connection briefly away
             rec = None
         if rec is not None and rec.config_digest == digest:
             if rec.status == "active":
@@ -200,18 +197,10 @@ async def _runs(bus: Any, args: argparse.Namespace) -> int:
     rows = []
     for rec in shown:
         progress = await read_progress(bus, rec.run_id)
-        rows.append(
-            {
-                "run_id": rec.run_id,
-                "idx": rec.idx,
-                "status": rec.status,
-                "step": progress.step if progress else None,
-                "total_tokens": progress.total_tokens if progress else None,
-                "total_samples": progress.total_samples if progress else None,
-                "reward_mean": progress.reward_mean if progress else None,
-                "detail": rec.error or rec.reason,
-            }
-        )
+        row: dict[str, Any] = {"run_id": rec.run_id, "idx": rec.idx, "status": rec.status}
+        for key in ("step", "total_tokens", "total_samples", "reward_mean"):
+            row[key] = getattr(progress, key) if progress else None
+        rows.append(row | {"detail": rec.error or rec.reason})
     if args.json:
         for row in rows:
             print(json.dumps(row))

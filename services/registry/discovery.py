@@ -70,7 +70,7 @@ def inspect_run_dir(output_dir: Path, run_id: str) -> RunDirState | None:
     """The state of one run directory, or None if it does not exist (as a real directory)."""
     path = run_dir(output_dir, run_id)
     st = _stat(path)
-    if st is None or not _is_dir(st):
+    if st is None or not stat.S_ISDIR(st.st_mode):
         return None
     return _inspect(path, run_id)
 
@@ -79,19 +79,11 @@ def _inspect(path: Path, run_id: str) -> RunDirState:
     # plain string paths: a scan does this for every run directory, every few seconds
     control = os.path.join(path, CONTROL)
     orch = _stat(os.path.join(control, ORCH_TOML))
-    has_config = orch is not None and _is_file(orch)
+    has_config = orch is not None and stat.S_ISREG(orch.st_mode)
     evicted = _stat(os.path.join(control, EVICTED)) is not None
     return RunDirState(
         run_id, path, has_config, evicted, _stamp(orch) if orch and has_config else None
     )
-
-
-def _is_dir(st: os.stat_result) -> bool:
-    return stat.S_ISDIR(st.st_mode)
-
-
-def _is_file(st: os.stat_result) -> bool:
-    return stat.S_ISREG(st.st_mode)
 
 
 def scan_output_dir(output_dir: Path) -> ScanResult:
@@ -185,7 +177,7 @@ def clear_validation_error(output_dir: Path, run_id: str) -> None:
 def write_evicted(output_dir: Path, run_id: str, reason: str) -> None:
     """Write ``control/evicted.txt`` (the reason), unless the run directory is already gone."""
     st = _stat(run_dir(output_dir, run_id))
-    if st is None or not _is_dir(st):
+    if st is None or not stat.S_ISDIR(st.st_mode):
         return
     write_atomic(_writable_control_dir(output_dir, run_id) / EVICTED, reason.rstrip("\n") + "\n")
 

@@ -7,14 +7,12 @@ comma-separated list...), then command-line flags.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from schemas.config import DEFAULT_MAX_LORA_RANK
-
-_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,48}$")
+from services.config.fields import Token
 
 
 class RegistrySettings(BaseModel):
@@ -42,12 +40,12 @@ class RegistrySettings(BaseModel):
     max_async_level: int = Field(
         64, ge=0, le=64, description="largest max_async_level a run may ask for"
     )
-    consumer_name: str = Field(
+    consumer_name: Token = Field(
         "registry",
         description="prefix of the durable consumers on plexrl.runs.submit / .evict; one per "
         "registry deployment",
     )
-    service: str = Field(
+    service: Token = Field(
         "registry", description="service name: errors go to plexrl.errors.<service>"
     )
 
@@ -58,11 +56,4 @@ class RegistrySettings(BaseModel):
             module, sep, attr = name.partition(":")
             if not sep or not module or not attr:
                 raise ValueError(f"{name!r} is not of the form 'module:function'")
-        return v
-
-    @field_validator("consumer_name", "service")
-    @classmethod
-    def _token(cls, v: str) -> str:
-        if not _NAME_RE.fullmatch(v):
-            raise ValueError(f"{v!r}: use 1-48 letters, digits, '_' or '-'")
         return v

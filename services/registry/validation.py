@@ -62,33 +62,28 @@ def file_digest(data: bytes) -> str:
 
 def max_lora_rank_hook(limit: int) -> ValidationHook:
     """Reject a LoRA rank the trainer's adapter slots cannot hold."""
-
-    def check_lora_rank(config: OrchConfig) -> tuple[bool, str]:
-        rank = config.model.lora.rank
-        if rank > limit:
-            return False, (
-                f"model.lora.rank: {rank} is above this registry's limit of {limit} "
-                "(the trainer's adapter slots are allocated for at most that rank); "
-                f"use a rank <= {limit}"
-            )
-        return True, ""
-
-    return check_lora_rank
+    why = " (the trainer's adapter slots are allocated for at most that rank)"
+    return _at_most("model.lora.rank", lambda c: c.model.lora.rank, limit, why, "a rank")
 
 
 def max_async_level_hook(limit: int) -> ValidationHook:
     """Reject a run that wants to run further ahead of its weights than this registry allows."""
+    return _at_most("max_async_level", lambda c: c.max_async_level, limit, "", "a value")
 
-    def check_async_level(config: OrchConfig) -> tuple[bool, str]:
-        level = config.max_async_level
-        if level > limit:
+
+def _at_most(
+    field: str, get: Callable[[OrchConfig], int], limit: int, why: str, what: str
+) -> ValidationHook:
+    def check(config: OrchConfig) -> tuple[bool, str]:
+        value = get(config)
+        if value > limit:
             return False, (
-                f"max_async_level: {level} is above this registry's limit of {limit}; "
-                f"use a value <= {limit}"
+                f"{field}: {value} is above this registry's limit of {limit}{why}; "
+                f"use {what} <= {limit}"
             )
         return True, ""
 
-    return check_async_level
+    return check
 
 
 def known_env_hook(config: OrchConfig) -> tuple[bool, str]:
@@ -142,14 +137,6 @@ def _locate(module_name: str) -> ModuleSpec | None:
     return found
 
 
-def builtin_hooks(max_lora_rank: int, max_async_level: int) -> list[ValidationHook]:
-    return [
-        max_lora_rank_hook(max_lora_rank),
-        max_async_level_hook(max_async_level),
-        known_env_hook,
-    ]
-
-
 def load_hook(name: str) -> ValidationHook:
     """The callable named ``module:function``; :class:`HookLoadError` says what is wrong."""
     module_name, sep, attr = name.partition(":")
@@ -176,16 +163,9 @@ class Validator:
     def __init__(self, hooks: Iterable[ValidationHook] = ()) -> None:
         self.hooks: list[ValidationHook] = list(hooks)
 
-    def register(self, hook: ValidationHook) -> None:
-        self.hooks.append(hook)
-
     def check_text(self, text: str) -> Verdict:
         """Validate the text of an ``orch.toml``."""
-        try:
-            config = parse_orch_config(text)
-        except ConfigError as exc:
-            return Verdict(None, str(exc))
-        return self._run_hooks(config)
+        return self._check(parse_orch_config, text)
 
     def check_bytes(self, data: bytes) -> Verdict:
         try:
@@ -196,11 +176,7 @@ class Validator:
 
     def check_dict(self, data: Any) -> Verdict:
         """Validate a config given as an object (``RunSubmitted.config``)."""
-        try:
-            config = orch_config_from_dict(data)
-        except ConfigError as exc:
-            return Verdict(None, str(exc))
-        return self._run_hooks(config)
+        return self._check(orch_config_from_dict, data)
 
     def check_submission(self, data: Any) -> Verdict:
         """Validate a submitted config that will be written to ``orch.toml``: it must also
@@ -216,7 +192,11 @@ class Validator:
             return Verdict(None, f"config does not survive a TOML round trip: {again.error}")
         return verdict
 
-    def _run_hooks(self, config: OrchConfig) -> Verdict:
+    def _check(self, parse: Callable[[Any], OrchConfig], data: Any) -> Verdict:
+        try:
+            config = parse(data)
+        except ConfigError as exc:
+            return Verdict(None, str(exc))
         for hook in self.hooks:
             name = getattr(hook, "__qualname__", repr(hook))
             # A hook is code the operator plugged in: its failure rejects the run, it must not
@@ -239,6 +219,5 @@ def make_validator(
     max_lora_rank: int, max_async_level: int, hook_names: Sequence[str] = ()
 ) -> Validator:
     """Built-in hooks for the registry's limits, then the named hooks."""
-    hooks = builtin_hooks(max_lora_rank, max_async_level)
-    hooks.extend(load_hook(n) for n in hook_names)
-    return Validator(hooks)
+    hooks = [max_lora_rank_hook(max_lora_rank), max_async_level_hook(max_async_level)]
+    return Validator([*hooks, known_env_hook, *(load_hook(n) for n in hook_names)])

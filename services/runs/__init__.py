@@ -13,13 +13,12 @@ The record types themselves are contract data and live in :mod:`schemas.records`
 
 from services.runs.mirror import RunInfo, RunMirror
 from services.runs.progress import read_progress, write_progress
-from services.runs.table import TableUnreadable, decode_record, read_record, read_table
+from services.runs.table import TableUnreadable, read_record, read_table
 
 __all__ = [
     "RunInfo",
     "RunMirror",
     "TableUnreadable",
-    "decode_record",
     "read_progress",
     "read_record",
     "read_table",

@@ -3,16 +3,11 @@
 A mirror replays stream ``PLEXRL_RUNS`` from its first message with a
 :class:`~services.bus.Follower` and then follows it. Arriving lifecycle events (RunDiscovered,
 RunEvicted, RunForgotten) are only *buffered*; :meth:`RunMirror.synchronize_state` applies them,
-at a point the caller chooses (the trainer: a step boundary), and runs the hooks of the
-reference MultiRunManager:
+at a point the caller chooses (the trainer: a step boundary), and runs the deletion and
+creation hooks ``(idx, run_id)`` of the reference MultiRunManager on every rank.
 
-- on the main rank only: forgotten hooks ``(idx, run_id)`` and discovered hooks
-  ``(idx, run_id, config)``;
-- on every rank: deletion hooks ``(idx, run_id)`` and creation hooks ``(idx, run_id)``.
-
-Within one call every removal hook (forgotten, then deletion) runs before any addition hook
-(discovered, then creation), so a slot freed and reused in the same call is reset before it is
-set up again. A run that appears and disappears within one call never existed at a step
+Within one call every deletion hook runs before any creation hook, so a slot freed and reused
+in the same call is reset before it is set up again. A run that appears and disappears within one call never existed at a step
 boundary and gets no hook at all; a run evicted and later rediscovered (same id) gets a deletion
 and then a creation.
 
@@ -60,8 +55,8 @@ class _Slot:
 class RunMirror:
     """Follows PLEXRL_RUNS; applies lifecycle events only in :meth:`synchronize_state`.
 
-    ``broadcast`` and ``main`` describe the ranks sharing this mirror (see the module
-    docstring); a single process needs neither.
+    ``broadcast`` describes the ranks sharing this mirror (see the module docstring); a single
+    process needs none.
     """
 
     def __init__(
@@ -72,14 +67,12 @@ class RunMirror:
         service: str = "mirror",
         sync_timeout: float = 120.0,
         broadcast: Callable[[int], int] | None = None,
-        main: bool = True,
     ) -> None:
         self.bus = bus
         self.max_runs = max_runs
         self.service = service
         self.sync_timeout = sync_timeout
         self.broadcast = broadcast
-        self.main = main
         self._buffer: list[tuple[int, Lifecycle]] = []
         # The whole runs wildcard, not just the lifecycle subjects: then the last sequence
         # this mirror has seen is comparable with the stream's and identical on every rank.
@@ -94,8 +87,6 @@ class RunMirror:
         self._slots: dict[int, _Slot] = {}
         self._idx_by_id: dict[str, int] = {}
         self._incarnations = itertools.count(1)
-        self._discovered_hooks: list[Callable[[int, str, OrchConfig], None]] = []
-        self._forgotten_hooks: list[Callable[[int, str], None]] = []
         self._creation_hooks: list[Callable[[int, str], None]] = []
         self._deletion_hooks: list[Callable[[int, str], None]] = []
 
@@ -120,19 +111,7 @@ class RunMirror:
         """The last stream sequence received (applied or not)."""
         return self._follower.seq
 
-    @property
-    def num_buffered(self) -> int:
-        return len(self._buffer)
-
     # --- hooks -----------------------------------------------------------------------------
-
-    def register_discovered_hook(self, cb: Callable[[int, str, OrchConfig], None]) -> None:
-        """``cb(idx, run_id, config)`` for each run added, on the main rank only."""
-        self._discovered_hooks.append(cb)
-
-    def register_forgotten_hook(self, cb: Callable[[int, str], None]) -> None:
-        """``cb(idx, run_id)`` for each run removed (evicted or forgotten), on the main rank only."""
-        self._forgotten_hooks.append(cb)
 
     def register_creation_hook(self, cb: Callable[[int, str], None]) -> None:
         """``cb(idx, run_id)`` for each run added, on every rank, in registration order."""
@@ -158,17 +137,9 @@ class RunMirror:
         batch, self._buffer = self._buffer[:cut], self._buffer[cut:]
         deleted, created = self._apply(batch)
         self._idx_by_id = {slot.info.run_id: idx for idx, slot in self._slots.items()}
-        if self.main:
-            for slot in deleted:
-                for cb in self._forgotten_hooks:
-                    cb(slot.info.idx, slot.info.run_id)
         for slot in deleted:
             for cb in self._deletion_hooks:
                 cb(slot.info.idx, slot.info.run_id)
-        if self.main:
-            for slot in created:
-                for discovered in self._discovered_hooks:
-                    discovered(slot.info.idx, slot.info.run_id, slot.info.config)
         for slot in created:
             for cb in self._creation_hooks:
                 cb(slot.info.idx, slot.info.run_id)

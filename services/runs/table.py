@@ -29,11 +29,6 @@ class TableUnreadable(RuntimeError):
     """The table could not be read to its end."""
 
 
-def decode_record(data: bytes) -> RunRecord:
-    """A record from its JSON; :class:`~schemas.codec.DecodeError` if it is not one."""
-    return decode(data, RunRecord)
-
-
 async def read_record(bus: Bus, run_id: str) -> RunRecord | None:
     """``run_id``'s record, or None if the table has none (DecodeError if unreadable)."""
     kv = await bucket(bus, KV_REGISTRY)
@@ -41,7 +36,7 @@ async def read_record(bus: Bus, run_id: str) -> RunRecord | None:
         entry = await kv.get(run_id)
     except (KeyNotFoundError, KeyDeletedError):
         return None
-    return decode_record(entry.value) if entry.value else None
+    return decode(entry.value, RunRecord) if entry.value else None
 
 
 async def read_table(kv: KeyValue, revisions: dict[str, int] | None = None) -> dict[str, RunRecord]:
@@ -84,7 +79,7 @@ def _apply(records: dict[str, RunRecord], revisions: dict[str, int], entry: KeyV
         records.pop(entry.key, None)
         return
     try:
-        record = decode_record(entry.value)
+        record: RunRecord = decode(entry.value, RunRecord)
     except DecodeError as exc:
         log.error("plexrl-registry: skipping unreadable record %s: %s", entry.key, exc)
         return

@@ -77,12 +77,8 @@ class Checkpoint:
     kind: WeightKind = "lora"
 
 
-def run_dir(output_dir: Path, run_id: str) -> Path:
-    return Path(output_dir) / run_id
-
-
 def checkpoints_dir(output_dir: Path, run_id: str) -> Path:
-    return run_dir(output_dir, run_id) / CHECKPOINTS
+    return Path(output_dir) / run_id / CHECKPOINTS
 
 
 def _fsync_file(path: Path) -> None:
@@ -246,7 +242,7 @@ def latest_checkpoint(output_dir: Path, run_id: str) -> Checkpoint | None:
 
 
 def step_log_path(output_dir: Path, run_id: str) -> Path:
-    return run_dir(output_dir, run_id) / STEP_LOG
+    return Path(output_dir) / run_id / STEP_LOG
 
 
 def append_step_log(output_dir: Path, run_id: str, records: Iterable[Mapping[str, Any]]) -> None:

@@ -39,7 +39,6 @@ from typing import Any
 
 from opentelemetry import trace
 
-from schemas.records import Progress
 from services.bus import Bus, Delivery
 from services.launch.faults import crash_point
 from services.runs.mirror import RunMirror
@@ -130,17 +129,9 @@ class Committer:
             committed = state.checkpoint_due()
             if committed:
                 await self._checkpoint(state)
-            await self.publisher.publish(
-                run_id,
-                state.idx,
-                state.progress.step,
-                self.lora.slot_state_dict(state.idx),
-                state.lora_spec,
-                base_model_path=self.base_model_path,
-                kind=self.kind,
-            )
+            await self._publish(state)
             crash_point("trainer.publish", run_id, step)
-            await write_progress(self.bus, run_id, _progress(state))
+            await write_progress(self.bus, run_id, state.progress)
             crash_point("trainer.progress", run_id, step)
             if committed:
                 await self._ack_committed(run_id)
@@ -166,6 +157,18 @@ class Committer:
             log.info("trainer: slot %d is empty; no eviction requested", idx)
 
     # --- commits -------------------------------------------------------------------------------
+
+    async def _publish(self, state: RunState) -> None:
+        """Announce the weights of ``state``'s slot as policy version ``progress.step``."""
+        await self.publisher.publish(
+            state.run_id,
+            state.idx,
+            state.progress.step,
+            self.lora.slot_state_dict(state.idx),
+            state.lora_spec,
+            base_model_path=self.base_model_path,
+            kind=self.kind,
+        )
 
     async def _checkpoint(self, state: RunState) -> None:
         ckpt = state.to_checkpoint(self.lora)
@@ -198,14 +201,10 @@ class Committer:
         """A redelivery of a step trained but not yet committed: ack it with that step."""
         for trained in self._trained.get(held.batch.run_id, []):
             if trained.step == held.batch.step:
-                seqs = {d.stream_sequence for d in trained.deliveries}
-                if held.delivery.stream_sequence in seqs:
-                    trained.deliveries = [
-                        d
-                        for d in trained.deliveries
-                        if d.stream_sequence != held.delivery.stream_sequence
-                    ]
-                trained.deliveries.append(held.delivery)
+                # A redelivery of the same message replaces its older delivery.
+                seq = held.delivery.stream_sequence
+                others = [d for d in trained.deliveries if d.stream_sequence != seq]
+                trained.deliveries = [*others, held.delivery]
                 return
         log.warning(
             "trainer: %s step %d is trained but not tracked; acking its redelivery",
@@ -235,17 +234,9 @@ class Committer:
             )
             if recovered:
                 log.info("trainer: %s: step log recovered steps %s", state.run_id, recovered)
-        await write_progress(self.bus, state.run_id, _progress(state))
+        await write_progress(self.bus, state.run_id, state.progress)
         if state.progress.step > 0:
-            await self.publisher.publish(
-                state.run_id,
-                state.idx,
-                state.progress.step,
-                self.lora.slot_state_dict(state.idx),
-                state.lora_spec,
-                base_model_path=self.base_model_path,
-                kind=self.kind,
-            )
+            await self._publish(state)
         log.info(
             "trainer: %s on slot %d %s at step %d",
             state.run_id,
@@ -253,16 +244,6 @@ class Committer:
             "resumed" if state.resumed_from is not None else "starts",
             state.progress.step,
         )
-
-
-def _progress(state: RunState) -> Progress:
-    p = state.progress
-    return Progress(
-        step=p.step,
-        total_tokens=p.total_tokens,
-        total_samples=p.total_samples,
-        reward_mean=p.reward_mean,
-    )
 
 
 def _record(state: RunState, result: RunResult, held: Held, kind: str) -> dict[str, Any]:

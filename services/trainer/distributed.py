@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -45,8 +46,6 @@ class Ranks:
         """``obj`` from rank 0 on every rank (pickled; for work lists and checkpoints)."""
         if not self.distributed:
             return obj
-        import torch.distributed as dist
-
         box = [obj if self.is_main else None]
         dist.broadcast_object_list(box, src=0)
         return box[0]
@@ -55,8 +54,6 @@ class Ranks:
         """True on every rank if it is true on any rank (a stop request, say)."""
         if not self.distributed:
             return flag
-        import torch.distributed as dist
-
         t = torch.tensor([1.0 if flag else 0.0], device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item() > 0)
@@ -71,8 +68,6 @@ class Ranks:
         """
         if not self.distributed:
             return extras
-        import torch.distributed as dist
-
         if params:
             flat = torch.cat(
                 [
@@ -93,8 +88,6 @@ class Ranks:
     def max(self, t: torch.Tensor) -> torch.Tensor:
         if not self.distributed:
             return t
-        import torch.distributed as dist
-
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t
 
@@ -111,8 +104,6 @@ def init_ranks(device: str) -> Ranks:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size <= 1:
         return SINGLE
-    import torch.distributed as dist
-
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
     if device == "cuda":
@@ -125,8 +116,5 @@ def init_ranks(device: str) -> Ranks:
 
 
 def close_ranks(ranks: Ranks) -> None:
-    if ranks.distributed:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    if ranks.distributed and dist.is_initialized():
+        dist.destroy_process_group()

@@ -89,22 +89,13 @@ class TokenStats:
 
 @dataclass(frozen=True)
 class RunLossStats:
-    """Loss diagnostics of one run, as sums so that micro-batches add up with ``+``."""
+    """Loss diagnostics of one run, as sums so that micro-batches (and ranks) add up."""
 
     num_tokens: int = 0
     num_clipped: int = 0
     ratio_sum: float = 0.0
     ratio_max: float = 0.0
     kl_sum: float = 0.0
-
-    def __add__(self, other: RunLossStats) -> RunLossStats:
-        return RunLossStats(
-            num_tokens=self.num_tokens + other.num_tokens,
-            num_clipped=self.num_clipped + other.num_clipped,
-            ratio_sum=self.ratio_sum + other.ratio_sum,
-            ratio_max=max(self.ratio_max, other.ratio_max),
-            kl_sum=self.kl_sum + other.kl_sum,
-        )
 
     @property
     def clipped_fraction(self) -> float:

@@ -90,7 +90,6 @@ class Trainer:
             settings.max_runs,
             service=settings.service,
             broadcast=ranks.broadcast_object if ranks.distributed else None,
-            main=ranks.is_main,
         )
         self.mirror.register_deletion_hook(self._on_delete)
         self.mirror.register_creation_hook(self._on_create)

@@ -1,24 +1,21 @@
 """The trainer's settings: one pydantic model, loaded by :func:`services.config.load_settings`.
 
 Precedence, lowest first: defaults, ``--config FILE`` (TOML), ``PLEXRL_<FIELD>`` environment
-variables (``PLEXRL_MODEL``, ``PLEXRL_OUTPUT_DIR``, ``PLEXRL_MAX_RUNS``,
-``PLEXRL_WEIGHT_TRANSPORT``, ``PLEXRL_UCX_HOST``, ``PLEXRL_UCX_PORT``, ``PLEXRL_COLLECTIVE_PORT``,
-``PLEXRL_TARGET_MODULES`` as a comma-separated list, ``PLEXRL_FULL_WEIGHTS=1``...), then
-command-line flags. This module imports no torch, so ``plexrl trainer --help`` stays instant.
+variables (a list as ``PLEXRL_TARGET_MODULES=q_proj,v_proj``, a flag as
+``PLEXRL_FULL_WEIGHTS=1``), then command-line flags. This module imports no torch, so
+``plexrl trainer --help`` stays instant.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from schemas.config import DEFAULT_MAX_LORA_RANK, DEFAULT_TARGET_MODULES
-
-_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,48}$")
+from services.config.fields import Token
 
 
 def default_threads() -> int:
@@ -139,19 +136,12 @@ class TrainerSettings(BaseModel):
         description="seconds a batch of a run the mirror does not know yet is held before it "
         "is handed back to the server (its RunDiscovered may still be on the way)",
     )
-    consumer_name: str = Field(
+    consumer_name: Token = Field(
         "trainer", description="durable consumer on PLEXRL_ROLLOUTS; one per trainer deployment"
     )
-    service: str = Field(
+    service: Token = Field(
         "trainer", description="service name: errors go to plexrl.errors.<service>"
     )
-
-    @field_validator("consumer_name", "service")
-    @classmethod
-    def _token(cls, v: str) -> str:
-        if not _NAME_RE.fullmatch(v):
-            raise ValueError(f"{v!r}: use 1-48 letters, digits, '_' or '-'")
-        return v
 
     @model_validator(mode="after")
     def _one_run_for_full_weights(self) -> TrainerSettings:

@@ -79,17 +79,9 @@ class RunState:
         return t if t > 0 else 1.0
 
     @property
-    def max_grad_norm(self) -> float:
-        return self.config.optim.max_grad_norm
-
-    @property
     def lora_spec(self) -> LoraSpec:
         lora = self.config.model.lora
         return LoraSpec(rank=lora.rank, alpha=lora.alpha, target_modules=list(self.target_modules))
-
-    @property
-    def lr(self) -> float:
-        return float(self.scheduler.get_last_lr()[0])
 
     def checkpoint_due(self) -> bool:
         """After the step just taken: does the run's ckpt.interval (or its last step) ask for one?"""
@@ -217,12 +209,7 @@ def _restore(lora: WeightSlots, state: RunState, ckpt: Checkpoint) -> None:
             ckpt.step,
         )
     state.scheduler.load_state_dict(ckpt.scheduler)
-    state.progress = Progress(
-        step=ckpt.progress["step"],
-        total_tokens=ckpt.progress["total_tokens"],
-        total_samples=ckpt.progress["total_samples"],
-        reward_mean=ckpt.progress.get("reward_mean"),
-    )
+    state.progress = Progress(**ckpt.progress)
     state.committed_step = ckpt.step
     state.resumed_from = ckpt.step
 

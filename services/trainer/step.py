@@ -81,8 +81,6 @@ class StepReport:
     """Per-run results and the timing of the shared phases (``time.time_ns`` stamps)."""
 
     runs: dict[int, RunResult]
-    num_micro_batches: int
-    padding_fraction: float
     phases: dict[str, tuple[int, int]]
     """phase name ('pack', 'forward_backward', 'optimizer') -> (start_ns, end_ns)"""
 
@@ -154,8 +152,6 @@ class StepExecutor:
         t_end = time.time_ns()
         return StepReport(
             runs=results,
-            num_micro_batches=len(packed.micro_batches),
-            padding_fraction=packed.padding_fraction,
             phases={
                 "pack": (t_pack, t_fb),
                 "forward_backward": (t_fb, t_opt),
@@ -257,7 +253,7 @@ class StepExecutor:
                 f"non-finite loss ({loss}) at step {batch.step}: the batch's advantages or "
                 "log-probabilities drive the policy loss out of float range; step not applied",
             )
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, state.max_grad_norm))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, state.config.optim.max_grad_norm))
         if not math.isfinite(grad_norm):
             _drop_grads(params)
             return _refused(
@@ -266,7 +262,7 @@ class StepExecutor:
                 f"non-finite gradient (norm {grad_norm}) at step {batch.step} with a finite loss "
                 f"({loss:.6g}); step not applied",
             )
-        lr = state.lr
+        lr = float(state.scheduler.get_last_lr()[0])
         state.optimizer.step()
         state.scheduler.step()
         _drop_grads(params)

@@ -99,44 +99,16 @@ async def run_up(settings: UpSettings, nats_url: str | None, console: Console) -
             ["registry", "--output-dir", str(output_dir), *sizes, *common],
             ports.get("registry"),
         )
-        sup.start(
-            "inference",
-            [
-                "inference",
-                "--engine",
-                "torch",
-                "--model",
-                str(model_dir),
-                "--output-dir",
-                str(output_dir),
-                "--threads",
-                str(settings.inference_threads),
-                "--weight-transport",
-                settings.weight_transport,
-                *sizes,
-                *common,
-            ],
-            ports.get("inference"),
-        )
-        sup.start(
-            "trainer",
-            [
-                "trainer",
-                "--model",
-                str(model_dir),
-                "--output-dir",
-                str(output_dir),
-                "--threads",
-                str(settings.trainer_threads),
-                "--weight-transport",
-                settings.weight_transport,
-                *_transport_flags(settings.weight_transport),
-                *(["--full-weights"] if settings.full_weights else []),
-                *sizes,
-                *common,
-            ],
-            ports.get("trainer"),
-        )
+
+        def start_worker(name: str, threads: int, *flags: str) -> None:
+            argv = [name, "--model", str(model_dir), "--output-dir", str(output_dir)]
+            argv += ["--threads", str(threads), "--weight-transport", settings.weight_transport]
+            sup.start(name, [*argv, *flags, *sizes, *common], ports.get(name))
+
+        start_worker("inference", settings.inference_threads, "--engine", "torch")
+        full_weights = ["--full-weights"] if settings.full_weights else []
+        transport_flags = _transport_flags(settings.weight_transport)
+        start_worker("trainer", settings.trainer_threads, *transport_flags, *full_weights)
         bus = await Bus.connect(nats_url, "up")
         from services.model.loader import load_tokenizer
         from services.orchestrator.run_loop import RunOrchestrator

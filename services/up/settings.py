@@ -85,13 +85,8 @@ class UpSettings(BaseModel):
             "sampling": {"temperature": 1.0, "max_tokens": 10},
             "ckpt": {"interval": 10},
         }
-        merged = _deep_merge(base, self.run)
-        merged["env"], merged["max_steps"], merged["max_async_level"] = (
-            env,
-            self.steps,
-            self.max_async_level,
-        )
-        return orch_config_from_dict(merged)
+        pinned = {"env": env, "max_steps": self.steps, "max_async_level": self.max_async_level}
+        return orch_config_from_dict(_deep_merge(base, self.run) | pinned)
 
 
 def _deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:

@@ -40,9 +40,6 @@ class Child:
                 start_new_session=True,  # Ctrl-C reaches plexrl up, which stops children in order
             )
 
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
     def log_tail(self, lines: int = 20) -> str:
         try:
             text = self.log_path.read_text(errors="replace")

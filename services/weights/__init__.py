@@ -18,39 +18,17 @@ the whole model): encode, store or offer, announce, fetch, verify.
 - :mod:`services.weights.digest`: ``blake3:`` (or older ``sha256:``) digests, checked in one place.
 """
 
-from services.weights.blobs import (
-    BlobError,
-    BlobNotFoundError,
-    delete_blob,
-    get_blob,
-    put_blob,
-)
 from services.weights.loader import WeightsError, load_weights
 from services.weights.publisher import WeightPublisher
-from services.weights.stream import CHUNK_BYTES, EncodedStream, StreamDecoder
-from services.weights.transport import (
-    TRANSPORTS,
-    SenderOptions,
-    WeightFetcher,
-    WeightSender,
-    unavailable_reason,
-)
+from services.weights.stream import EncodedStream, StreamDecoder
+from services.weights.transport import SenderOptions, unavailable_reason
 
 __all__ = [
-    "CHUNK_BYTES",
-    "TRANSPORTS",
-    "BlobError",
-    "BlobNotFoundError",
     "EncodedStream",
     "SenderOptions",
     "StreamDecoder",
-    "WeightFetcher",
     "WeightPublisher",
-    "WeightSender",
     "WeightsError",
-    "delete_blob",
-    "get_blob",
     "load_weights",
-    "put_blob",
     "unavailable_reason",
 ]

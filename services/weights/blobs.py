@@ -10,8 +10,8 @@ announces (BLAKE3) is recorded beside it, in the description's header :data:`DIG
 Three things differ from nats-py's ``ObjectStore.put``/``get``, for speed and for memory:
 
 - ``get`` there concatenates ``bytes`` chunk by chunk, which is quadratic (about 7 MB/s on a
-  50 MB object). Here chunks are copied into one preallocated buffer, in order, from an ordered
-  consumer, and the count, size and digest are checked against the object's description.
+  50 MB object). Here chunks come in order from an ordered consumer and are joined once, and
+  their count and size are checked against the object's description.
 - :func:`stream_blob` reads an object without holding it at all: each chunk goes to the
   caller as it arrives (full weights land straight in a model's parameters, see
   :meth:`services.weights.stream.StreamDecoder.feed`), so a model is never in memory twice.
@@ -39,7 +39,6 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import NamedTuple
 
 import nats.errors
 from nats.js import api
@@ -99,35 +98,11 @@ class BlobNotFoundError(BlobError):
     """No object under the key (never written, deleted, or garbage-collected)."""
 
 
-class Blob(NamedTuple):
-    """An object's bytes and ``sha256:<hex>`` of exactly those bytes, hashed while reading."""
-
-    data: bytes
-    digest: str
-
-
 Pieces = bytes | bytearray | memoryview | Iterable[bytes | bytearray | memoryview]
 """An object's bytes: in one buffer, or as buffers that follow each other."""
 
 Sink = Callable[[bytes], None]
 """Takes an object's chunks in order, as :func:`stream_blob` reads them."""
-
-
-async def put_blob(bus: Bus, key: str, data: bytes) -> None:
-    """Store ``data`` under ``key``, replacing (and purging) any previous object of that key."""
-    await write_blob(bus, key, data)
-
-
-async def get_blob(
-    bus: Bus, key: str, *, expected_size: int | None = None, timeout: float = 30.0
-) -> bytes:
-    """The bytes stored under ``key``, checked against the object's size and digest.
-
-    ``expected_size`` is checked before anything is downloaded. ``timeout`` bounds the whole
-    read. Raises :class:`BlobNotFoundError` for a missing key, :class:`BlobError` otherwise.
-    """
-    blob = await read_blob(bus, key, expected_size=expected_size, timeout=timeout)
-    return blob.data
 
 
 async def delete_blob(bus: Bus, key: str) -> None:
@@ -155,9 +130,11 @@ async def list_keys(bus: Bus, timeout: float = 30.0) -> list[str]:
 
 
 async def write_blob(bus: Bus, key: str, data: Pieces, announced: str | None = None) -> None:
-    """:func:`put_blob` of ``data``: one buffer, or buffers that follow each other
-    (:meth:`EncodedStream.segments <services.weights.stream.EncodedStream.segments>`), cut into
-    chunks across their boundaries, so only one chunk at a time is copied.
+    """Store ``data`` under ``key``, replacing (and purging) any previous object of that key.
+
+    ``data`` is one buffer, or buffers that follow each other (:meth:`EncodedStream.segments
+    <services.weights.stream.EncodedStream.segments>`), cut into chunks across their
+    boundaries, so only one chunk at a time is copied.
 
     The store's SHA-256 digest is computed on another thread while the chunks are published.
     ``announced``, the digest a WeightsReady gives these bytes, is recorded in the description
@@ -224,35 +201,13 @@ async def write_blob(bus: Bus, key: str, data: Pieces, announced: str | None = N
         await bus.js.purge_stream(STREAM, subject=_chunk_subject(previous.nuid))
 
 
-async def read_blob(
+async def get_blob(
     bus: Bus, key: str, *, expected_size: int | None = None, timeout: float = 30.0
-) -> Blob:
-    """:func:`get_blob`, also returning ``sha256:<hex>`` of the bytes (computed while reading)."""
-    bucket = await _bucket(bus)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    info = await _info(bucket.store, key)
-    for attempt in (1, 2):
-        _check_expected(key, info, expected_size, None)
-        assembly = _Assembly(info.size or 0)
-        if await _read_object(bus, bucket, key, info, deadline, assembly.take):
-            if info.digest and assembly.hasher.digest() != _raw_digest(info.digest):
-                raise BlobError(
-                    f"object {key!r}: the {info.size} bytes read back do not match the object's "
-                    f"SHA-256 digest {info.digest} (the store is corrupt or the object changed "
-                    "while read)"
-                )
-            return Blob(assembly.data(), "sha256:" + assembly.hasher.hexdigest())
-        # The chunks stopped coming: the key may have been deleted (BlobNotFoundError here) or
-        # overwritten (a new nuid) while it was read. Follow an overwrite once.
-        current = await _info(bucket.store, key)
-        if current.nuid == info.nuid or attempt == 2:
-            break
-        info = current
-    raise BlobError(
-        f"object {key!r}: not all of its {info.chunks} chunks ({info.size} bytes) arrived "
-        f"within {timeout:g}s"
-    )
+) -> bytes:
+    """The bytes stored under ``key``, in one buffer: :func:`stream_blob` into a list, joined."""
+    chunks: list[bytes] = []
+    await stream_blob(bus, key, chunks.append, expected_size=expected_size, timeout=timeout)
+    return b"".join(chunks)
 
 
 async def stream_blob(
@@ -306,33 +261,6 @@ def _check_expected(key: str, info: api.ObjectInfo, size: int | None, digest: st
         )
 
 
-class _Assembly:
-    """A sink that puts an object's chunks together in one preallocated buffer, hashing them."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.hasher = hashlib.sha256()
-        self._buffer: bytearray | None = None
-        self._whole: bytes | None = None
-        self._offset = 0
-
-    def take(self, chunk: bytes) -> None:
-        # Hashing chunk by chunk overlaps with the server sending the next ones.
-        self.hasher.update(chunk)
-        if self._offset == 0 and len(chunk) == self.size:
-            self._whole = chunk  # the only chunk (every adapter up to 1 MiB): no copy
-        else:
-            if self._buffer is None:
-                self._buffer = bytearray(self.size)
-            self._buffer[self._offset : self._offset + len(chunk)] = chunk
-        self._offset += len(chunk)
-
-    def data(self) -> bytes:
-        if self._whole is not None:
-            return self._whole
-        return bytes(self._buffer) if self._buffer is not None else b""
-
-
 async def _read_object(
     bus: Bus, bucket: _Bucket, key: str, info: api.ObjectInfo, deadline: float, sink: Sink
 ) -> bool:
@@ -343,10 +271,10 @@ async def _read_object(
     if num_chunks == 1 and bucket.direct:
         # One chunk (every adapter up to 1 MiB): a direct get is one request, no consumer.
         try:
-            msg = await bus.js.get_last_msg(STREAM, _chunk_subject(info.nuid), direct=True)
+            raw = await bus.js.get_last_msg(STREAM, _chunk_subject(info.nuid), direct=True)
         except (NotFoundError, nats.errors.TimeoutError):
             return False
-        data = msg.data or b""
+        data = raw.data or b""
         if len(data) != size:
             raise BlobError(
                 f"object {key!r}: {num_chunks} chunks hold {len(data)} bytes, its description "
@@ -354,14 +282,6 @@ async def _read_object(
             )
         sink(data)
         return True
-    return await _stream_chunks(bus, bucket.store, key, info, deadline, sink)
-
-
-async def _stream_chunks(
-    bus: Bus, store: ObjectStore, key: str, info: api.ObjectInfo, deadline: float, sink: Sink
-) -> bool:
-    """Hand every chunk to ``sink`` in order; False when they stop before the deadline."""
-    size, num_chunks = info.size or 0, info.chunks or 0
     if not num_chunks:
         if size:
             raise BlobError(f"object {key!r}: no chunks hold its described {size} bytes")
@@ -381,7 +301,7 @@ async def _stream_chunks(
             except nats.errors.TimeoutError:
                 # A pause: stop early when the object was replaced or deleted meanwhile (old
                 # versions are garbage-collected) instead of waiting out the whole timeout.
-                if not await _is_current(store, key, info.nuid):
+                if not await _is_current(bucket.store, key, info.nuid):
                     return False
                 continue
             chunk = msg.data

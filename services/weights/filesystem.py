@@ -179,7 +179,3 @@ def sender(bus: Bus, output_dir: Path, keep_last: int, options: SenderOptions) -
 
 def fetcher(bus: Bus, output_dir: Path | None) -> FilesystemFetcher:
     return FilesystemFetcher(output_dir)
-
-
-def unavailable() -> str | None:
-    return None

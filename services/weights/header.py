@@ -132,16 +132,11 @@ def check_fits(
         )
     for name, (dtype, shape) in described.items():
         tensor = destination[name]
-        if tensor.dtype != dtype:
+        if tensor.dtype != dtype or list(tensor.shape) != shape:
+            hint = ": the trainer and inference must use the same dtype"
             raise WeightsError(
                 f"{where}: tensor {name!r} is {dtype} {shape} in the stream but {tensor.dtype} "
-                f"{list(tensor.shape)} in the destination: the trainer and inference must use "
-                "the same dtype"
-            )
-        if list(tensor.shape) != shape:
-            raise WeightsError(
-                f"{where}: tensor {name!r} is {dtype} {shape} in the stream but {tensor.dtype} "
-                f"{list(tensor.shape)} in the destination"
+                f"{list(tensor.shape)} in the destination{hint if tensor.dtype != dtype else ''}"
             )
 
 

@@ -5,19 +5,12 @@ from a trainer without LoRA (``event.is_full``), the whole model's state dict. T
 transport picks the :class:`~services.weights.transport.WeightFetcher` that receives it: one
 the caller set up (a collective group joined at start-up, a UCX client with its own timeouts),
 else the transport's default from :data:`~services.weights.transport.TRANSPORTS`. Every fetcher
-receives through a :class:`~services.weights.stream.StreamDecoder`: the header first, checked
-against the destination before a byte is written, then the data straight into the tensors,
-hashed while it lands, and the size and digest checked at the end. Whatever goes wrong (a
-missing or garbage-collected object, a truncated file, a digest mismatch, a path outside the
-output directory, bytes that are not safetensors, tensors that do not fit the destination)
-raises :class:`WeightsError` naming the run, the step and what was wrong, so the caller reports
-one clear error and keeps serving the version it already has.
-
-A model is never held twice: not as a blob beside its tensors, and, with a destination (the
-serving model's parameters), not beside the parameters either (parameters on a GPU are the
-exception: they are received into host memory and copied in once the digest matched). A
-failure after the data started to land in place has ``WeightsError.touched`` set: the
-destination is partly overwritten and holds no usable version until a good one lands.
+receives through a :class:`~services.weights.stream.StreamDecoder`, which checks the header
+against the destination before a byte is written, and the size and digest at the end. Whatever
+goes wrong raises :class:`WeightsError` naming the run, the step and what was wrong, so the
+caller reports one clear error and keeps serving the version it already has, unless
+``WeightsError.touched`` says the destination (the serving model's parameters, for full
+weights received in place) was partly overwritten.
 """
 
 from __future__ import annotations

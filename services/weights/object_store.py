@@ -114,7 +114,3 @@ def sender(bus: Bus, output_dir: Path, keep_last: int, options: SenderOptions) -
 
 def fetcher(bus: Bus, output_dir: Path | None) -> ObjectStoreFetcher:
     return ObjectStoreFetcher(bus)
-
-
-def unavailable() -> str | None:
-    return None

@@ -119,10 +119,6 @@ class EncodedStream:
         """Each tensor's bytes (zero copy), in stream order: everything after the header."""
         return list(self._views)
 
-    def chunks(self, chunk_bytes: int = CHUNK_BYTES) -> Iterator[memoryview]:
-        """The same bytes as :meth:`segments` in pieces of at most ``chunk_bytes``."""
-        return split(self.segments(), chunk_bytes)
-
     def to_bytes(self) -> bytes:
         """The whole safetensors file in one ``bytes`` (for tests and small adapters)."""
         return b"".join(self.segments())

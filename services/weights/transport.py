@@ -10,8 +10,8 @@ the digest (the one place they are checked).
 :data:`TRANSPORTS` maps each name to its module (imported when used, so ``ucxx`` and
 torch.distributed load only where chosen). A module provides ``sender(bus, output_dir,
 keep_last, options)``, ``fetcher(bus, output_dir)`` (None when a replica must set one up itself,
-as a collective replica joins its group at start-up) and ``unavailable()``, why it cannot run
-here or None. The publisher and the loader pick a transport from this table and nothing else.
+as a collective replica joins its group at start-up) and, if it may not run everywhere,
+``unavailable()``, why it cannot run here or None. The publisher and the loader pick a transport from this table and nothing else.
 """
 
 from __future__ import annotations
@@ -108,17 +108,15 @@ def module(transport: str) -> ModuleType:
 def make_sender(
     transport: str, bus: Bus, output_dir: Path, keep_last: int, options: SenderOptions
 ) -> WeightSender:
-    sender: WeightSender = module(transport).sender(bus, output_dir, keep_last, options)
-    return sender
+    return module(transport).sender(bus, output_dir, keep_last, options)
 
 
 def default_fetcher(transport: str, bus: Bus, output_dir: Path | None) -> WeightFetcher | None:
-    fetcher: WeightFetcher | None = module(transport).fetcher(bus, output_dir)
-    return fetcher
+    return module(transport).fetcher(bus, output_dir)
 
 
 def unavailable_reason(transport: str, **checks: str) -> str | None:
     """Why ``transport`` cannot run in this process, or None when it can. ``checks`` go to the
     transport's own check (``ucx_module="..."`` points the ``ucx`` one at another package)."""
-    reason: str | None = module(transport).unavailable(**checks)
-    return reason
+    check = getattr(module(transport), "unavailable", None)
+    return None if check is None else check(**checks)

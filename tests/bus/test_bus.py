@@ -327,13 +327,13 @@ def test_codec_roundtrip_both_formats() -> None:
 
 
 def test_stream_replicas_setting() -> None:
-    from services.bus.bus import stream_replicas
+    from services.config import process_settings
 
-    assert stream_replicas({}) == 1
-    assert stream_replicas({"PLEXRL_STREAM_REPLICAS": "3"}) == 3
+    assert process_settings({}).stream_replicas == 1
+    assert process_settings({"PLEXRL_STREAM_REPLICAS": "3"}).stream_replicas == 3
     for bad in ("0", "6", "three", "-1", ""):
         with pytest.raises(ValueError, match="PLEXRL_STREAM_REPLICAS"):
-            stream_replicas({"PLEXRL_STREAM_REPLICAS": bad})
+            process_settings({"PLEXRL_STREAM_REPLICAS": bad})
 
 
 async def test_provisioning_never_lowers_replicas(bus: Bus) -> None:

@@ -107,7 +107,7 @@ def test_reset_slot_is_peft_init_and_behaves_as_base(multi_lora, randomize):
     model, lora = multi_lora(n_adapters=2, max_rank=8)
     randomize(lora, 1, 8, 16.0, seed=3)
     lora.reset_slot(1, rank=4, alpha=8.0, seed=11)
-    assert (lora.slot_rank(1), lora.slot_alpha(1)) == (4, 8.0)
+    assert (lora.slot_rank(1), lora.context.alpha(1)) == (4, 8.0)
     for layer in lora.layers.values():
         a, b = layer.lora_A[1], layer.lora_B[1]
         assert torch.count_nonzero(b) == 0
@@ -245,7 +245,9 @@ def test_slot_ids_are_checked():
 
 def test_attach_freezes_the_base_and_names_slot_parameters(multi_lora):
     model, lora = multi_lora(n_adapters=3, max_rank=4)
-    assert len(lora.layers) == 7 * 2 and lora.module_names[0] == "model.layers.0.self_attn.q_proj"
+    assert (
+        len(lora.layers) == 7 * 2 and next(iter(lora.layers)) == "model.layers.0.self_attn.q_proj"
+    )
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     assert len(trainable) == 3 * 2 * len(lora.layers)
     assert all(".lora_A." in name or ".lora_B." in name for name in trainable)
@@ -268,7 +270,7 @@ def test_attach_needs_a_matching_linear(tiny_dir):
     with pytest.raises(ValueError, match=r"matches target_modules \['c_attn'\]"):
         MultiLoRA.attach(model, n_adapters=2, max_rank=4, target_modules=["c_attn"])
     lora = MultiLoRA.attach(model, n_adapters=2, max_rank=4, target_modules=["self_attn.o_proj"])
-    assert lora.module_names == [
+    assert list(lora.layers) == [
         "model.layers.0.self_attn.o_proj",
         "model.layers.1.self_attn.o_proj",
     ]

@@ -123,7 +123,7 @@ def test_load_slot_state_dict_round_trip_and_errors(multi_lora, randomize):
     randomize(lora, 0, 5, 10.0, seed=4)
     state = lora.slot_state_dict(0)
     lora.load_slot_state_dict(1, state, rank=5, alpha=10.0)
-    assert (lora.slot_rank(1), lora.slot_alpha(1)) == (5, 10.0)
+    assert (lora.slot_rank(1), lora.context.alpha(1)) == (5, 10.0)
     with torch.no_grad():
         with lora.use([0, 0]):
             first = model(input_ids=IDS).logits

@@ -1,4 +1,4 @@
-"""Helpers of the orchestrator tests: a scripted inference replica and stream readers.
+"""Helpers of the orchestrator tests: a scripted inference replica, stream and metrics readers.
 
 :class:`ScriptedReplica` is a real NATS service in the ``inference`` queue group that answers
 GenerateRequests the way a partly trained model would, so rewards are known in advance: sample
@@ -12,8 +12,10 @@ real inference service instead (test_orch_inference.py).
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from nats.aio.msg import Msg
@@ -179,3 +181,18 @@ async def announce(bus: Bus, run_id: str, step: int) -> None:
     await bus.publish(
         weights_subject(run_id), fake_weights(run_id, step), msg_id=f"{run_id}/w/{step}"
     )
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """A run's metrics.jsonl as its readers take it: the last line of each step, in step order,
+    skipping lines that are not JSON objects with an integer ``step`` (a line cut by a crash)."""
+    by_step: dict[int, dict[str, Any]] = {}
+    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            by_step[row["step"]] = row
+    return [by_step[s] for s in sorted(by_step)]

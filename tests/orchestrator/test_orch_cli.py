@@ -17,11 +17,10 @@ from schemas.events import EvictRequested
 from schemas.subjects import EVICT
 from services.bus import Bus, EmbeddedNats
 from services.cli import main
-from services.orchestrator.metrics import read_metrics
 from services.registry.service import Registry
 
 from .conftest import RUN, RegistryFactory, orch_config
-from .replica import ScriptedReplica, announce, eventually, published_steps
+from .replica import ScriptedReplica, announce, eventually, published_steps, read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 

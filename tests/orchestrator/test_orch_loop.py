@@ -18,7 +18,6 @@ from schemas.subjects import ROLLOUTS_STREAM, rollouts_subject
 from services.bus import Bus
 from services.envs import Prompt, ReverseEnv, load_environment, prompt_token_ids
 from services.orchestrator import rollouts
-from services.orchestrator.metrics import read_metrics
 from services.orchestrator.run_loop import OrchestratorResult, RunOrchestrator
 from services.orchestrator.state import (
     OrchestratorCheckpoint,
@@ -29,7 +28,14 @@ from services.registry.service import Registry
 from services.runs.progress import write_progress
 
 from .conftest import RUN, RegistryFactory, orch_config
-from .replica import ScriptedReplica, announce, eventually, published_steps, rollout_batches
+from .replica import (
+    ScriptedReplica,
+    announce,
+    eventually,
+    published_steps,
+    read_metrics,
+    rollout_batches,
+)
 
 ENV = load_environment("reverse", seed=7)
 

@@ -10,12 +10,7 @@ import pytest
 
 from schemas.events import RolloutBatch, Sample
 from services.orchestrator import state
-from services.orchestrator.metrics import (
-    append_metrics,
-    metrics_path,
-    read_metrics,
-    step_metrics,
-)
+from services.orchestrator.metrics import append_metrics, metrics_path, step_metrics
 from services.orchestrator.state import (
     CheckpointError,
     OrchestratorCheckpoint,
@@ -26,6 +21,7 @@ from services.orchestrator.state import (
 )
 
 from .conftest import RUN
+from .replica import read_metrics
 
 
 def test_checkpoint_path_is_in_the_run_directory(tmp_path: Path) -> None:

@@ -28,9 +28,7 @@ async def mirror(rbus: Bus) -> AsyncIterator[RunMirror]:
 
 def record_hooks(mirror: RunMirror) -> list[tuple[str, int, str]]:
     calls: list[tuple[str, int, str]] = []
-    mirror.register_forgotten_hook(lambda i, r: calls.append(("forgotten", i, r)))
     mirror.register_deletion_hook(lambda i, r: calls.append(("deletion", i, r)))
-    mirror.register_discovered_hook(lambda i, r, c: calls.append(("discovered", i, r)))
     mirror.register_creation_hook(lambda i, r: calls.append(("creation", i, r)))
     return calls
 
@@ -43,13 +41,13 @@ async def discovered(bus: Bus, run_id: str, idx: int, config: OrchConfig = CONFI
 
 
 async def test_events_are_buffered_until_synchronize_state(rbus: Bus, mirror: RunMirror) -> None:
-    seen: list[tuple[int, str, OrchConfig]] = []
-    mirror.register_discovered_hook(lambda i, r, c: seen.append((i, r, c)))
+    seen: list[tuple[int, str]] = []
+    mirror.register_creation_hook(lambda i, r: seen.append((i, r)))
     await discovered(rbus, "run_a", 2)
     await rbus.publish(sj.SUBMIT, RunSubmitted(run_id="run_zz", config={}))  # not lifecycle
     await mirror.wait_until_caught_up()
-    assert mirror.runs == {} and mirror.num_buffered == 1 and seen == []
-    assert await mirror.synchronize_state() == 1
+    assert mirror.runs == {} and seen == []
+    assert await mirror.synchronize_state() == 1  # the one lifecycle event, buffered until now
     [(idx, info)] = mirror.runs.items()
     assert (idx, info.run_id, info.idx, info.config, info.config_digest) == (
         2,
@@ -58,7 +56,7 @@ async def test_events_are_buffered_until_synchronize_state(rbus: Bus, mirror: Ru
         CONFIG,
         CONFIG.digest(),
     )
-    assert seen == [(2, "run_a", CONFIG)]
+    assert seen == [(2, "run_a")]
     assert (mirror.idx_of("run_a"), mirror.run_id_of(2), mirror.config(2)) == (2, "run_a", CONFIG)
     assert mirror.idx_of("run_zz") is None and mirror.run_id_of(0) is None
     with pytest.raises(KeyError, match="no run holds index 0"):
@@ -81,12 +79,8 @@ async def test_every_deletion_hook_runs_before_any_creation_hook(
     await mirror.wait_until_caught_up()
     assert await mirror.synchronize_state() == 4
     assert calls == [
-        ("forgotten", 0, "run_a"),
-        ("forgotten", 1, "run_b"),
         ("deletion", 0, "run_a"),
         ("deletion", 1, "run_b"),
-        ("discovered", 0, "run_c"),
-        ("discovered", 1, "run_d"),
         ("creation", 0, "run_c"),
         ("creation", 1, "run_d"),
     ]
@@ -103,7 +97,7 @@ async def test_a_rediscovered_run_is_deleted_then_created(rbus: Bus, mirror: Run
     await discovered(rbus, "run_a", 0)
     await mirror.wait_until_caught_up()
     await mirror.synchronize_state()
-    assert [c[0] for c in calls] == ["forgotten", "deletion", "discovered", "creation"]
+    assert [c[0] for c in calls] == ["deletion", "creation"]
     # and across two calls
     calls.clear()
     await rbus.publish(sj.FORGOTTEN, RunForgotten(run_id="run_a", idx=0))
@@ -113,9 +107,7 @@ async def test_a_rediscovered_run_is_deleted_then_created(rbus: Bus, mirror: Run
     await mirror.wait_until_caught_up()
     await mirror.synchronize_state()
     assert calls == [
-        ("forgotten", 0, "run_a"),
         ("deletion", 0, "run_a"),
-        ("discovered", 3, "run_a"),
         ("creation", 3, "run_a"),
     ]
 
@@ -198,10 +190,9 @@ async def test_an_undecodable_lifecycle_event_is_reported_and_skipped(
 
 
 async def test_a_follower_rank_applies_up_to_the_broadcast_sequence(rbus: Bus) -> None:
-    """A non-main rank applies exactly up to the main rank's sequence, waiting for it if behind,
-    and never runs the main-rank hooks."""
+    """A non-main rank applies exactly up to the main rank's sequence, waiting for it if behind."""
     targets: list[int] = []
-    follower = RunMirror(rbus, max_runs=4, broadcast=lambda seq: targets.pop(0), main=False)
+    follower = RunMirror(rbus, max_runs=4, broadcast=lambda seq: targets.pop(0))
     calls = record_hooks(follower)
     await discovered(rbus, "run_a", 0)
     await discovered(rbus, "run_b", 1)

@@ -97,16 +97,13 @@ async def test_two_ranks_apply_the_same_events_while_events_keep_arriving(
                 p.wait()
             log.close()
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
-    shared = [c for c in rank0["log"] if c[0] not in ("discovered", "forgotten")]
-    assert shared == rank1["log"]  # same calls, same counts, same hooks, same order
+    assert rank0["log"] == rank1["log"]  # same calls, same counts, same hooks, same order
     assert rank0["runs"] == rank1["runs"] == {str(i): r for i, r in final.items()}
     counts = [c[1] for c in rank1["log"] if c[0] == "sync"]
     assert sum(counts) == 120 and sum(n > 0 for n in counts) >= 5  # applied over many calls
     assert rank1["waited"] >= 1 and rank0["waited"] == 0
-    # the rank-0-only hooks fired on rank 0, once per creation / deletion
     kinds = [c[0] for c in rank0["log"]]
-    assert kinds.count("discovered") == kinds.count("creation") > 0
-    assert kinds.count("forgotten") == kinds.count("deletion") > 0
+    assert kinds.count("creation") > 0 and kinds.count("deletion") > 0
 
 
 def _logs(tmp_path: Path) -> str:

@@ -73,7 +73,7 @@ async def test_runs_train_in_step_order_commit_and_skip_redeliveries(cluster, ow
         4,
         8.0,
     )
-    assert latest.digest.startswith("sha256:") and latest.size_bytes > 0
+    assert latest.digest.startswith("blake3:") and latest.size_bytes > 0
     state_a = cluster.state("run_a")
     assert same_tensors(await load_weights(bus, latest), trainer.lora.slot_state_dict(state_a.idx))
     assert [e.step for e in await weights_events(bus, "run_a")] == [1, 2, 3]

@@ -15,7 +15,8 @@ from schemas.codec import decode
 from schemas.events import LoraSpec, WeightsReady
 from services.bus import Bus
 from services.model.peft_io import ADAPTER_WEIGHTS
-from services.weights import WeightPublisher, WeightsError, get_blob, load_weights, put_blob
+from services.weights import WeightPublisher, WeightsError, load_weights
+from services.weights.blobs import get_blob, write_blob
 from services.weights.digest import algorithm, digest_of, verify
 
 
@@ -53,7 +54,7 @@ async def test_an_older_publishers_sha256_is_still_accepted_and_checked(
     )
     sha = "sha256:" + hashlib.sha256(stored).hexdigest()
     if transport == "object_store":
-        await put_blob(bus, event.location, stored)  # as an older publisher wrote it
+        await write_blob(bus, event.location, stored)  # as an older publisher wrote it
     # An old event on the wire still decodes.
     old = decode(msgspec.json.encode(msgspec.structs.replace(event, digest=sha)), WeightsReady)
     loaded = await load_weights(bus, old, tmp_path)
@@ -61,7 +62,7 @@ async def test_an_older_publishers_sha256_is_still_accepted_and_checked(
     if transport == "object_store":
         corrupted = bytearray(stored)
         corrupted[-1] ^= 0x01
-        await put_blob(bus, event.location, bytes(corrupted))
+        await write_blob(bus, event.location, bytes(corrupted))
         # The store's own SHA-256 tells before a byte is read.
         with pytest.raises(WeightsError, match="holds other bytes than expected: its digest is"):
             await load_weights(bus, old, tmp_path)

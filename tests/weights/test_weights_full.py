@@ -22,14 +22,8 @@ from schemas.events import LoraSpec, WeightsReady
 from schemas.subjects import WEIGHTS_STREAM, weights_subject
 from services.bus import Bus
 from services.model.peft_io import ADAPTER_CONFIG, FULL_WEIGHTS_FILE
-from services.weights import (
-    EncodedStream,
-    WeightPublisher,
-    WeightsError,
-    get_blob,
-    load_weights,
-)
-from services.weights.blobs import write_blob
+from services.weights import EncodedStream, WeightPublisher, WeightsError, load_weights
+from services.weights.blobs import get_blob, write_blob
 from services.weights.digest import digest_of
 from services.weights.transport import unavailable_reason
 

@@ -4,9 +4,7 @@ compatibility with nats-py's own object store, and clear errors for what cannot 
 from __future__ import annotations
 
 import asyncio
-import base64
 import hashlib
-import json
 import os
 
 import pytest
@@ -21,12 +19,10 @@ from services.weights.blobs import (
     BlobError,
     BlobNotFoundError,
     _chunk_subject,
-    _meta_subject,
     delete_blob,
     get_blob,
     list_keys,
-    put_blob,
-    read_blob,
+    write_blob,
 )
 
 
@@ -47,19 +43,17 @@ async def _chunks_left(bus: Bus, nuid: str) -> bool:
 async def test_put_get_round_trip(bus: Bus, uid: str, size: int):
     key = f"t_{uid}/blob_{size}"
     data = os.urandom(size)
-    await put_blob(bus, key, data)
+    await write_blob(bus, key, data)
     assert await get_blob(bus, key, expected_size=size) == data
     info = await _info(bus, key)
     assert info.size == size
     assert info.chunks == -(-size // CHUNK_SIZE)  # 1 MiB chunks, the last one partial
-    blob = await read_blob(bus, key)
-    assert blob.digest == "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 async def test_nats_py_object_store_reads_and_writes_the_same_objects(bus: Bus, uid: str):
     store = await bus.js.object_store("plexrl-weights")
     ours, theirs = os.urandom(3 * CHUNK_SIZE + 17), os.urandom(700_000)
-    await put_blob(bus, f"t_{uid}/ours", ours)
+    await write_blob(bus, f"t_{uid}/ours", ours)
     assert (await store.get(f"t_{uid}/ours")).data == ours
     # nats-py writes 128 KiB chunks: six of them here, streamed back in order.
     await store.put(f"t_{uid}/theirs", theirs)
@@ -75,23 +69,23 @@ async def test_get_of_a_missing_key_says_so(bus: Bus, uid: str):
 
 async def test_expected_size_is_checked_before_reading(bus: Bus, uid: str):
     key = f"t_{uid}/sized"
-    await put_blob(bus, key, b"x" * 100)
+    await write_blob(bus, key, b"x" * 100)
     with pytest.raises(BlobError, match=f"'{key}' holds 100 bytes, 99 were expected"):
         await get_blob(bus, key, expected_size=99)
 
 
 async def test_overwrite_replaces_the_object_and_purges_the_old_chunks(bus: Bus, uid: str):
     key = f"t_{uid}/twice"
-    await put_blob(bus, key, b"first" * 1000)
+    await write_blob(bus, key, b"first" * 1000)
     old = await _info(bus, key)
-    await put_blob(bus, key, b"second")
+    await write_blob(bus, key, b"second")
     assert await get_blob(bus, key) == b"second"
     assert not await _chunks_left(bus, old.nuid)
 
 
 async def test_delete_removes_description_and_chunks_and_tolerates_missing_keys(bus: Bus, uid: str):
     key = f"t_{uid}/doomed"
-    await put_blob(bus, key, os.urandom(CHUNK_SIZE + 1))
+    await write_blob(bus, key, os.urandom(CHUNK_SIZE + 1))
     nuid = (await _info(bus, key)).nuid
     assert key in await list_keys(bus)
     await delete_blob(bus, key)
@@ -102,22 +96,9 @@ async def test_delete_removes_description_and_chunks_and_tolerates_missing_keys(
     await delete_blob(bus, key)  # a second delete is a no-op, not an error
 
 
-async def test_bytes_that_do_not_match_the_stored_digest_are_refused(bus: Bus, uid: str):
-    key = f"t_{uid}/tampered"
-    for size in (10, CHUNK_SIZE + 10):  # the direct-get path and the streamed path
-        await put_blob(bus, key, os.urandom(size))
-        info = await _info(bus, key)
-        # Rewrite the description with the digest of other bytes of the same size.
-        other = base64.urlsafe_b64encode(hashlib.sha256(os.urandom(size)).digest()).decode()
-        info.digest = "SHA-256=" + other
-        await bus.js.publish(_meta_subject(key), json.dumps(info.as_dict()).encode())
-        with pytest.raises(BlobError, match="do not match the object's SHA-256 digest"):
-            await get_blob(bus, key)
-
-
 async def test_missing_chunks_time_out_with_a_clear_error(bus: Bus, uid: str):
     key = f"t_{uid}/chunkless"
-    await put_blob(bus, key, os.urandom(2 * CHUNK_SIZE))
+    await write_blob(bus, key, os.urandom(2 * CHUNK_SIZE))
     info = await _info(bus, key)
     await bus.js.purge_stream(STREAM, subject=_chunk_subject(info.nuid))
     with pytest.raises(BlobError, match=r"not all of its 2 chunks \(2097152 bytes\) arrived"):
@@ -126,27 +107,14 @@ async def test_missing_chunks_time_out_with_a_clear_error(bus: Bus, uid: str):
 
 async def test_illegal_keys_are_rejected(bus: Bus):
     with pytest.raises(ValueError, match="illegal object key"):
-        await put_blob(bus, "has space", b"x")
+        await write_blob(bus, "has space", b"x")
 
 
 async def _stalled(bus: Bus, key: str) -> None:
     """An object whose description is there but whose chunks are not (yet) in the stream."""
-    await put_blob(bus, key, os.urandom(2 * CHUNK_SIZE))
+    await write_blob(bus, key, os.urandom(2 * CHUNK_SIZE))
     info = await _info(bus, key)
     await bus.js.purge_stream(STREAM, subject=_chunk_subject(info.nuid))
-
-
-async def test_a_reader_follows_an_object_overwritten_while_it_reads(
-    bus: Bus, uid: str, monkeypatch: pytest.MonkeyPatch
-):
-    monkeypatch.setattr(object_store, "STALL_CHECK", 0.1)
-    key = f"t_{uid}/replaced"
-    await _stalled(bus, key)
-    reading = asyncio.create_task(get_blob(bus, key, timeout=10.0))
-    await asyncio.sleep(0.05)
-    fresh = os.urandom(CHUNK_SIZE + 5)
-    await put_blob(bus, key, fresh)
-    assert await asyncio.wait_for(reading, 5.0) == fresh
 
 
 async def test_a_reader_learns_quickly_that_its_object_was_deleted(
@@ -169,7 +137,7 @@ async def test_pieces_are_stored_as_one_object_and_streamed_back_chunk_by_chunk(
     pieces = [os.urandom(n) for n in (3, CHUNK_SIZE - 1, 0, 2 * CHUNK_SIZE + 5, 7)]
     data = b"".join(pieces)
     digest = "sha256:" + hashlib.sha256(data).hexdigest()
-    await object_store.write_blob(bus, key, [memoryview(p) for p in pieces], digest)
+    await write_blob(bus, key, [memoryview(p) for p in pieces], digest)
     info = await _info(bus, key)
     assert (info.size, info.chunks) == (len(data), 4)  # cut across the pieces' boundaries
     assert await get_blob(bus, key) == data  # the stored digest is the one passed in

@@ -18,15 +18,8 @@ from schemas.events import LoraSpec, WeightsReady
 from schemas.subjects import WEIGHTS_STREAM, weights_subject
 from services.bus import Bus
 from services.model.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_peft_dir
-from services.weights import (
-    BlobNotFoundError,
-    WeightPublisher,
-    WeightsError,
-    get_blob,
-    load_weights,
-    put_blob,
-)
-from services.weights.blobs import list_keys
+from services.weights import WeightPublisher, WeightsError, load_weights
+from services.weights.blobs import BlobNotFoundError, get_blob, list_keys, write_blob
 from services.weights.digest import digest_of
 
 
@@ -86,7 +79,7 @@ async def test_a_corrupted_object_fails_the_digest_check(
     event = await WeightPublisher(bus, tmp_path).publish(run_id, 0, 4, adapter, lora)
     stored = bytearray(await get_blob(bus, event.location))
     stored[-1] ^= 0x01  # same size, one bit off: only the digest can tell
-    await put_blob(bus, event.location, bytes(stored))
+    await write_blob(bus, event.location, bytes(stored))
     with pytest.raises(WeightsError) as err:
         await load_weights(bus, event)
     message = str(err.value)
@@ -101,7 +94,7 @@ async def test_an_object_of_the_wrong_size_is_refused_before_download(
     bus: Bus, tmp_path: Path, run_id: str, adapter, lora
 ):
     event = await WeightPublisher(bus, tmp_path).publish(run_id, 0, 2, adapter, lora)
-    await put_blob(bus, event.location, b"short")
+    await write_blob(bus, event.location, b"short")
     with pytest.raises(WeightsError, match=f"{run_id} step 2: .* holds 5 bytes, "):
         await load_weights(bus, event)
 
@@ -219,7 +212,7 @@ async def test_bytes_that_are_not_safetensors_are_refused(
 ):
     event = await WeightPublisher(bus, tmp_path).publish(run_id, 0, 1, adapter, lora)
     junk = os.urandom(64)
-    await put_blob(bus, f"{run_id}/junk", junk)
+    await write_blob(bus, f"{run_id}/junk", junk)
     forged = msgspec.structs.replace(
         event,
         location=f"{run_id}/junk",

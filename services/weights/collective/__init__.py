@@ -15,16 +15,10 @@ address of the host name. Each member marks ``ready/gen<g>/<member>`` in the sto
 builds its side, so a generation that cannot be built drops the members that never came; after
 :data:`MAX_FORM_ATTEMPTS` failures in a row the sender waits for replicas to join again.
 
-Membership, over core NATS (``<group>`` is ``default`` unless both ends are told otherwise), in
-the messages of :mod:`schemas.collective`:
-
-- ``plexrl.collective.<group>.join``, request/reply: :class:`JoinRequest` -> :class:`GroupState`.
-  The sender adds the member and forms the next generation: every live member plus the joiner.
-- ``plexrl.collective.<group>.leave``, request/reply: :class:`LeaveRequest` -> GroupState.
-- ``plexrl.collective.<group>.formed``: :class:`GroupFormed`, the members of generation ``g`` in
-  rank order (rank ``i + 1`` is ``members[i]``), published before the sender builds it.
-- ``plexrl.collective.<group>.alive.<member>``, request/reply: :class:`Ping` -> :class:`Pong`.
-  After a failed collective the sender keeps the members that answer and drops the others.
+Membership goes over core NATS on ``plexrl.collective.<group>.*``, in the messages of
+:mod:`schemas.collective` (join, leave, formed, alive): a join forms the next generation of every
+live member plus the joiner; after a failed collective the sender keeps the members that answer
+a ping and drops the others.
 
 Every new generation is brought up to date first: the sender re-sends the newest stream of
 every run, so a replica that joins late has the current weights of all runs.
@@ -60,38 +54,11 @@ receives).
 from pathlib import Path
 
 from services.bus import Bus
-from services.weights.collective.protocol import (
-    DEFAULT_GROUP,
-    FETCH_TIMEOUT,
-    HEARTBEAT,
-    JOIN_TIMEOUT,
-    MAGIC,
-    MAX_FORM_ATTEMPTS,
-    MAX_FRAME_BYTES,
-    PING_TIMEOUT,
-    REJOIN_INTERVAL,
-    TIMEOUT,
-    location,
-)
 from services.weights.collective.receiver import CollectiveReceiver
 from services.weights.collective.sender import CollectiveSender
 from services.weights.transport import SenderOptions
 
-__all__ = [
-    "DEFAULT_GROUP",
-    "FETCH_TIMEOUT",
-    "HEARTBEAT",
-    "JOIN_TIMEOUT",
-    "MAGIC",
-    "MAX_FORM_ATTEMPTS",
-    "MAX_FRAME_BYTES",
-    "PING_TIMEOUT",
-    "REJOIN_INTERVAL",
-    "TIMEOUT",
-    "CollectiveReceiver",
-    "CollectiveSender",
-    "location",
-]
+__all__ = ["CollectiveReceiver", "CollectiveSender"]
 
 
 def sender(bus: Bus, output_dir: Path, keep_last: int, options: SenderOptions) -> CollectiveSender:

@@ -23,20 +23,14 @@ from services.weights.errors import WeightsError
 from services.weights.stream import EncodedStream
 
 DEFAULT_GROUP = DEFAULT_COLLECTIVE_GROUP
+# Seconds, and generations tried in a row: what each bounds is in the package's docstring.
 TIMEOUT = 30.0
-"""Seconds for building a generation and for each broadcast, on both ends."""
-HEARTBEAT = 2.0
-"""Idle seconds after which the sender broadcasts a heartbeat (well under ``TIMEOUT``)."""
+HEARTBEAT = 2.0  # well under TIMEOUT
 PING_TIMEOUT = 2.0
-"""Seconds a member has to answer the sender's liveness check after a failed collective."""
 JOIN_TIMEOUT = 5.0
-"""Seconds to wait for the sender's answer to a join or leave request."""
 REJOIN_INTERVAL = 1.0
-"""Seconds between two join requests while no sender answers."""
 FETCH_TIMEOUT = 60.0
-"""Seconds :meth:`CollectiveReceiver.fetch` waits for the transfer an event names."""
 MAX_FORM_ATTEMPTS = 3
-"""Generations tried in a row after failures before the sender stops and waits for new joins."""
 MAGIC = 0x504C5843  # "PLXC"
 MAX_FRAME_BYTES = 64 << 20
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import nats.errors
 import torch
@@ -20,7 +20,7 @@ from nats.aio.msg import Msg
 from schemas.codec import DecodeError, decode, encode
 from schemas.collective import GroupFormed, GroupState, JoinRequest, LeaveRequest, Ping, Pong
 from schemas.run_id import validate_run_id
-from schemas.subjects import collective_subjects, validate_service_name
+from schemas.subjects import collective_subjects
 from services.bus import Bus
 from services.weights.collective.protocol import (
     DEFAULT_GROUP,
@@ -41,6 +41,8 @@ from services.weights.errors import WeightsError
 from services.weights.stream import EncodedStream
 
 log = logging.getLogger(__name__)
+
+_Request = TypeVar("_Request", JoinRequest, LeaveRequest)
 
 
 @dataclass
@@ -164,31 +166,30 @@ class CollectiveSender:
     # --- requests from replicas (event loop) --------------------------------------------------
 
     async def _on_join(self, msg: Msg) -> None:
-        try:
-            req: JoinRequest = decode(
-                msg.data, JoinRequest, (msg.headers or {}).get("Content-Type")
-            )
-            validate_service_name(req.member)
-        except (DecodeError, ValueError) as exc:
-            await self.bus.report_invalid(msg.subject, str(exc), msg.data)
-            return
-        log.info("collective: %s (%s) asks to join", req.member, req.replica)
-        self._wanted[req.member] = req.replica
-        self._mark_dirty()
-        await self._answer(msg)
+        req = await self._decode(msg, JoinRequest)
+        if req is not None:
+            log.info("collective: %s (%s) asks to join", req.member, req.replica)
+            self._wanted[req.member] = req.replica
+            self._mark_dirty()
+            await self._answer(msg)
 
     async def _on_leave(self, msg: Msg) -> None:
-        try:
-            req: LeaveRequest = decode(
-                msg.data, LeaveRequest, (msg.headers or {}).get("Content-Type")
-            )
-        except DecodeError as exc:
-            await self.bus.report_invalid(msg.subject, str(exc), msg.data)
+        req = await self._decode(msg, LeaveRequest)
+        if req is None:
             return
         if self._wanted.pop(req.member, None) is not None or req.member in self.members:
             log.info("collective: %s leaves", req.member)
             self._mark_dirty()
         await self._answer(msg)
+
+    async def _decode(self, msg: Msg, kind: type[_Request]) -> _Request | None:
+        """The request ``msg`` carries (its member id checked by the schema), or None once
+        reported as invalid."""
+        try:
+            return decode(msg.data, kind, (msg.headers or {}).get("Content-Type"))
+        except DecodeError as exc:
+            await self.bus.report_invalid(msg.subject, str(exc), msg.data)
+            return None
 
     async def _answer(self, msg: Msg) -> None:
         if msg.reply:

@@ -56,19 +56,9 @@ from services.bus import Bus
 from services.weights.transport import SenderOptions
 from services.weights.ucx.client import UcxWeightClient, default_client
 from services.weights.ucx.server import UcxWeightServer
-from services.weights.ucx.wire import _tag, import_ucxx, parse_location
+from services.weights.ucx.wire import _tag, import_ucxx
 
-__all__ = [
-    "UcxWeightClient",
-    "UcxWeightServer",
-    "_tag",
-    "default_client",
-    "fetcher",
-    "import_ucxx",
-    "parse_location",
-    "sender",
-    "unavailable",
-]
+__all__ = ["UcxWeightClient", "UcxWeightServer", "_tag", "import_ucxx"]
 
 
 def sender(bus: Bus, output_dir: Path, keep_last: int, options: SenderOptions) -> UcxWeightServer:
