@@ -1,13 +1,12 @@
-"""UCX fetches of an adapter made of many small tensors: bucketed pieces against one per tensor.
+"""UCX fetches of an adapter made of many small tensors, against the same bytes as one tensor.
 
 A LoRA adapter is hundreds of small tensors (a 7B model at rank 16: 448 matrices of about
 128 KiB). A server process holds three streams of the same number of float32 bytes (``--size``
 MB, MB = 2**20 bytes): one tensor (the baseline: the same bytes in the fewest messages), and
 ``--tensors`` equal tensors; a client process fetches each ``--repeats`` times with
-``UcxWeightClient.fetch`` (verified, as a replica does), the many-tensor stream both as a replica
-asks for it (small tensors share pieces of the bucket plan) and as a replica that predates the
-plan (no flag in its request: one message per tensor). Prints the median fetch time and MB/s
-of each, and each against the one-tensor baseline measured in the same run.
+``UcxWeightClient.fetch`` (verified, as a replica does; small tensors share pieces of the
+bucket plan). Prints the median fetch time and MB/s of each, and each against the one-tensor
+baseline measured in the same run.
 
     .venv/bin/python bench/ucx_pieces.py [--size 56] [--tensors 448] [--repeats 20]
 """
@@ -55,17 +54,14 @@ def _server(conn: Connection, size: int, tensors: int) -> None:
     asyncio.run(main())
 
 
-async def _fetch_times(
-    events: list[tuple[str, WeightsReady, bool]], repeats: int
-) -> dict[str, float]:
+async def _fetch_times(events: list[tuple[str, WeightsReady]], repeats: int) -> dict[str, float]:
     from services.weights import ucx
 
     client = ucx.UcxWeightClient()
-    times: dict[str, list[float]] = {name: [] for name, _, _ in events}
+    times: dict[str, list[float]] = {name: [] for name, _ in events}
     try:
         for _ in range(repeats):
-            for name, event, buckets in events:  # the paths take turns
-                ucx.WANTS_BUCKETS = 1 if buckets else 0
+            for name, event in events:  # the paths take turns
                 start = time.perf_counter()
                 await client.fetch(event)
                 times[name].append(time.perf_counter() - start)
@@ -105,9 +101,8 @@ def main() -> None:
         )
 
     paths = [
-        ("1 tensor", event(1, one), True),
-        (f"{args.tensors} tensors, bucketed", event(2, many), True),
-        (f"{args.tensors} tensors, one message each", event(2, many), False),
+        ("1 tensor", event(1, one)),
+        (f"{args.tensors} tensors, bucketed", event(2, many)),
     ]
     try:
         medians = asyncio.run(_fetch_times(paths, args.repeats + 1))
@@ -121,7 +116,7 @@ def main() -> None:
     )
     print("| stream | fetch | MB/s | time vs 1 tensor |")
     print("| --- | ---: | ---: | ---: |")
-    for name, _, _ in paths:
+    for name, _ in paths:
         seconds = medians[name]
         print(
             f"| {name} | {seconds * 1e3:.1f} ms | {size / MB / seconds:,.0f} | {seconds / base:.2f}x |"
