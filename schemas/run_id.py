@@ -34,3 +34,9 @@ def validate_run_id(value: object) -> str:
         )
     assert isinstance(value, str)
     return value
+
+
+def in_sweep(run_id: str, sweep_name: str) -> bool:
+    """Whether ``run_id`` is a run of the sweep ``sweep_name``: ``run_<name>`` or
+    ``run_<name>-...`` (sweep names hold no ``-``, so no sweep's runs match another's name)."""
+    return run_id == f"run_{sweep_name}" or run_id.startswith(f"run_{sweep_name}-")

@@ -60,6 +60,11 @@ def register(subparsers: Any) -> None:
     )
     runs.add_argument("--all", action="store_true", help="include forgotten runs")
     runs.add_argument("--json", action="store_true", help="one JSON object per line")
+    runs.add_argument(
+        "--sweep",
+        metavar="NAME",
+        help="only the runs of sweep NAME (run_NAME and run_NAME-...)",
+    )
     add_common_args(runs, config=False)
     runs.set_defaults(func=lambda args: _connected(args, lambda bus: _runs(bus, args)))
 
@@ -187,12 +192,15 @@ _ORDER = {"active": 0, "waiting": 1, "invalid": 2, "evicted": 3, "forgotten": 4}
 
 
 async def _runs(bus: Any, args: argparse.Namespace) -> int:
+    from schemas.run_id import in_sweep
     from schemas.subjects import KV_REGISTRY
     from services.runs.progress import read_progress
     from services.runs.table import read_table
 
     records = await read_table(await bus.js.key_value(KV_REGISTRY))
     shown = [r for r in records.values() if args.all or r.status != "forgotten"]
+    if args.sweep:
+        shown = [r for r in shown if in_sweep(r.run_id, args.sweep)]
     shown.sort(key=lambda r: (_ORDER.get(r.status, 9), -1 if r.idx is None else r.idx, r.run_id))
     rows = []
     for rec in shown:
@@ -205,18 +213,18 @@ async def _runs(bus: Any, args: argparse.Namespace) -> int:
         for row in rows:
             print(json.dumps(row))
         return 0
-    _print_table(rows)
+    _print_table(rows, f"sweep {args.sweep}" if args.sweep else "plexrl runs")
     return 0
 
 
-def _print_table(rows: list[dict[str, Any]]) -> None:
+def _print_table(rows: list[dict[str, Any]], title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
     def cell(v: Any, fmt: str = "{}") -> str:
         return "-" if v is None else fmt.format(v)
 
-    table = Table(title=f"plexrl runs ({len(rows)})")
+    table = Table(title=f"{title} ({len(rows)})")
     for name in ("id", "idx", "status", "step", "tokens", "samples", "reward", "detail"):
         table.add_column(name, justify="right" if name in ("idx", "step", "tokens") else "left")
     for r in rows:

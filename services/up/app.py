@@ -2,9 +2,11 @@
 
 Order of events: make sure the warm-started tiny model exists (built and cached on first use);
 start NATS (unless one is named); start the registry, inference and trainer as child
-processes; drive one orchestrator per demo run in this process; show one live row per run;
+processes; drive one orchestrator per run (the demo runs, or a sweep's: services/up/sweep.py) in
+this process (services/up/drive.py); show one live row per run;
 when every run has trained all its steps (or on Ctrl-C), stop everything in reverse order and
-write a summary, a ``reward.png`` per run and ``summary.json``.
+write a summary, a ``reward.png`` per run and ``summary.json`` (and for a sweep its table and
+plot, services/up/compare.py).
 """
 
 from __future__ import annotations
@@ -21,14 +23,16 @@ import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.live import Live
 
 from services.bus import Bus, EmbeddedNats, setup_tracing, stop_on_signals
 from services.bus.tracing import shutdown_tracing
 from services.telemetry.metrics import metrics_address, setup_metrics
+from services.up.compare import report_sweep
+from services.up.drive import drive_runs
 from services.up.settings import UpSettings, default_cache_dir
 from services.up.supervisor import ChildFailed, Supervisor
-from services.up.view import RunView, live_table, plot_rewards, summary_table
+from services.up.sweep import SweepRun
+from services.up.view import plot_rewards, summary_table
 
 log = logging.getLogger(__name__)
 
@@ -59,25 +63,18 @@ def ensure_tiny_model(console: Console, cache_dir: Path | None = None) -> Path:
     return final
 
 
-def _demo_runs(settings: UpSettings) -> list[tuple[str, str]]:
-    out = []
-    for i in range(settings.runs):
-        env = settings.envs[i % len(settings.envs)]
-        lap = i // len(settings.envs)
-        name = env.replace(":", "_").replace(".", "_")
-        out.append((f"run_{name}" if lap == 0 else f"run_{name}_{lap + 1}", env))
-    return out
-
-
-async def run_up(settings: UpSettings, nats_url: str | None, console: Console) -> int:
+async def run_up(
+    settings: UpSettings, planned: list[SweepRun], nats_url: str | None, console: Console
+) -> int:
     output_dir = (
         settings.output_dir or Path("outputs") / time.strftime("up-%Y%m%d-%H%M%S")
     ).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     model_dir = (settings.model or ensure_tiny_model(console)).resolve()
-    runs = _demo_runs(settings)
     max_runs = settings.slots
     console.print(f"output: {output_dir}\nmodel:  {model_dir}")
+    if len(planned) > max_runs:
+        console.print(f"{len(planned)} runs, {max_runs} at a time: the others wait for an index")
 
     server: EmbeddedNats | None = None
     if nats_url is None:
@@ -103,6 +100,7 @@ async def run_up(settings: UpSettings, nats_url: str | None, console: Console) -
         def start_worker(name: str, threads: int, *flags: str) -> None:
             argv = [name, "--model", str(model_dir), "--output-dir", str(output_dir)]
             argv += ["--threads", str(threads), "--weight-transport", settings.weight_transport]
+            argv += ["--device", settings.device] if settings.device else []
             sup.start(name, [*argv, *flags, *sizes, *common], ports.get(name))
 
         start_worker("inference", settings.inference_threads, "--engine", "torch")
@@ -111,25 +109,23 @@ async def run_up(settings: UpSettings, nats_url: str | None, console: Console) -
         start_worker("trainer", settings.trainer_threads, *transport_flags, *full_weights)
         bus = await Bus.connect(nats_url, "up")
         from services.model.loader import load_tokenizer
-        from services.orchestrator.run_loop import RunOrchestrator
 
         tokenizer = load_tokenizer(model_dir)
         await _wait_for_inference(bus, sup, console)
-        views, tasks = [], []
-        for seed, (run_id, env) in enumerate(runs):
-            config = settings.run_config(env, seed)
-            orch = RunOrchestrator(
-                bus,
-                run_id,
-                config,
-                output_dir=output_dir,
-                tokenizer=tokenizer,
-                submitted_by="plexrl up",
-            )
-            views.append(RunView(run_id, env, config.max_steps, orch.metrics_path))
-            tasks.append(asyncio.create_task(orch.run(stop), name=run_id))
-        results = await _watch(
-            views, tasks, sup, stop, console, live=settings.live and console.is_terminal
+        name = settings.sweep_name
+        driven = await drive_runs(
+            bus,
+            planned,
+            output_dir=output_dir,
+            tokenizer=tokenizer,
+            stop=stop,
+            console=console,
+            live=settings.live and console.is_terminal,
+            title=f"plexrl up: sweep {name}" if name else "plexrl up",
+            submitted_by="plexrl up",
+            check=sup.check,
+            early_stop=settings.sweep.early_stop if settings.sweep else None,
+            release_finished=settings.sweep is not None,
         )
     except ChildFailed as exc:
         console.print(f"[red]plexrl up stopped: {exc}[/]")
@@ -142,10 +138,13 @@ async def run_up(settings: UpSettings, nats_url: str | None, console: Console) -
         if server is not None:
             server.stop()
 
-    for view in views:
+    for view in driven.views:
         view.refresh()
         plot_rewards(view)
-    console.print(summary_table(views))
+    if name is not None:
+        report_sweep(planned, driven, name, output_dir, console)
+    else:
+        console.print(summary_table(driven.views))
     summary = {
         r.run_id: {
             "status": r.status,
@@ -154,11 +153,11 @@ async def run_up(settings: UpSettings, nats_url: str | None, console: Console) -
             "reward_last_20pct": v.window_means()[1],
             "reason": r.reason,
         }
-        for r, v in zip(results, views, strict=True)
+        for r, v in zip(driven.results, driven.views, strict=True)
     }
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     console.print(f"metrics, plots and logs under {output_dir}")
-    return max((r.exit_code for r in results), default=0)
+    return driven.exit_code
 
 
 def _child_metrics_ports() -> dict[str, dict[str, str]]:
@@ -199,51 +198,7 @@ async def _wait_for_inference(
     )
 
 
-async def _watch(
-    views, tasks, sup: Supervisor, stop: asyncio.Event, console: Console, *, live: bool
-):  # type: ignore[no-untyped-def]
-    started = time.monotonic()
-    title = "plexrl up"
-    printed = {v.run_id: 0 for v in views}
-
-    def refresh() -> None:
-        for v, t in zip(views, tasks, strict=True):
-            v.refresh()
-            if t.done() and not t.cancelled() and t.exception() is None:
-                v.status = t.result().status
-            elif t.done():
-                v.status = "failed"
-            elif v.rows:
-                v.status = "training"
-
-    async def loop(update) -> None:  # type: ignore[no-untyped-def]
-        while not all(t.done() for t in tasks):
-            sup.check()
-            refresh()
-            update()
-            await asyncio.wait(tasks, timeout=0.5)
-        refresh()
-        update()
-
-    if live:
-        with Live(live_table(views, 0, title), console=console, refresh_per_second=4) as screen:
-            await loop(lambda: screen.update(live_table(views, time.monotonic() - started, title)))
-    else:
-
-        def log_lines() -> None:
-            for v in views:
-                for row in v.rows[printed[v.run_id] :]:
-                    console.print(
-                        f"{v.run_id} step {int(row['step']) + 1}/{v.max_steps} "
-                        f"reward {row['reward_mean']:.3f} lag {row.get('policy_lag', '-')}"
-                    )
-                printed[v.run_id] = len(v.rows)
-
-        await loop(log_lines)
-    return [t.result() for t in tasks]
-
-
-def main(settings: UpSettings, nats_url: str | None) -> int:
+def main(settings: UpSettings, planned: list[SweepRun], nats_url: str | None) -> int:
     logging.basicConfig(
         level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
@@ -251,7 +206,7 @@ def main(settings: UpSettings, nats_url: str | None) -> int:
     setup_tracing("orchestrator")
     setup_metrics("orchestrator")
     try:
-        return asyncio.run(run_up(settings, nats_url, Console()))
+        return asyncio.run(run_up(settings, planned, nats_url, Console()))
     finally:
         shutdown_tracing()
 

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from schemas.config import OrchConfig, orch_config_from_dict
 from services.config import process_settings
+from services.up.sweep import SweepRun, SweepSpec, distinct_ids, expand, sweep_name
 
 DEMO_ENVS = ("reverse", "copy", "add")
 FULL_WEIGHTS_LR = 3e-4
@@ -49,10 +50,18 @@ class UpSettings(BaseModel):
         False,
         description="train the model's own weights (no LoRA): one run, full state dicts to inference",
     )
+    device: Literal["cpu", "cuda"] | None = Field(
+        None, description="where trainer and inference run (default: their own defaults)"
+    )
     live: bool = Field(True, description="show the live table (off when stdout is not a terminal)")
     run: dict[str, Any] = Field(
         default_factory=dict,
         description="orch.toml keys applied to every demo run (e.g. [run.optim] lr = 2e-3)",
+    )
+    sweep: SweepSpec | None = Field(
+        None,
+        description="a [sweep] table: runs of the first env over a grid of orch.toml keys "
+        "(replaces the demo runs; see services/up/sweep.py)",
     )
 
     @model_validator(mode="after")
@@ -63,15 +72,42 @@ class UpSettings(BaseModel):
             raise ValueError(
                 f"full_weights trains one run's whole model, so it takes runs = 1 (got {self.runs})"
             )
+        if self.full_weights and self.sweep is not None:
+            raise ValueError("full_weights trains one run, so it takes no [sweep] table")
         return self
 
     @property
     def slots(self) -> int:
-        """Run slots of the registry, trainer and inference: one under full weights."""
-        return 1 if self.full_weights else max(self.max_runs, self.runs)
+        """Run slots of the registry, trainer and inference: one under full weights; a sweep's
+        runs beyond ``max_runs`` wait in the registry's queue."""
+        if self.full_weights:
+            return 1
+        return self.max_runs if self.sweep is not None else max(self.max_runs, self.runs)
+
+    @property
+    def sweep_name(self) -> str | None:
+        if self.sweep is None:
+            return None
+        return self.sweep.name or sweep_name(self.envs[0])
+
+    def planned_runs(self) -> list[SweepRun]:
+        """Every run ``plexrl up`` (or ``plexrl sweep``) trains, with a distinct id each: the
+        sweep's runs, or one demo run per ``runs`` cycling through ``envs``. Raises
+        :class:`ConfigError` before anything starts."""
+        if self.sweep is not None:
+            return expand(self.sweep, self.run_config_dict(self.envs[0], 0), self.envs[0])
+        envs = [self.envs[i % len(self.envs)] for i in range(self.runs)]
+        return [
+            SweepRun(run_id, self.run_config(env, seed))
+            for seed, (run_id, env) in enumerate(zip(distinct_ids(envs), envs, strict=True))
+        ]
 
     def run_config(self, env: str, seed: int) -> OrchConfig:
         """The config of one demo run: tuned defaults, then ``[run]`` overrides, then the flags."""
+        return orch_config_from_dict(self.run_config_dict(env, seed))
+
+    def run_config_dict(self, env: str, seed: int) -> dict[str, Any]:
+        """:meth:`run_config` before validation."""
         base: dict[str, Any] = {
             "env": env,
             "seed": seed,
@@ -86,7 +122,7 @@ class UpSettings(BaseModel):
             "ckpt": {"interval": 10},
         }
         pinned = {"env": env, "max_steps": self.steps, "max_async_level": self.max_async_level}
-        return orch_config_from_dict(_deep_merge(base, self.run) | pinned)
+        return _deep_merge(base, self.run) | pinned
 
 
 def _deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:

@@ -24,19 +24,32 @@ class UpResult:
         return (self.out / "logs" / f"{service}.log").read_text()
 
 
-def run_up_one_run(out: Path, *args: str, timeout: float = 240.0) -> UpResult:
-    """``plexrl up --runs 1 ARGS --output-dir OUT --no-live``, asserted to exit 0, with a clean
-    environment (no PLEXRL_ or OTEL_ variables of the caller)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PLEXRL_", "OTEL_"))}
-    command = [sys.executable, "-m", "services", "up", "--runs", "1", *args]
+def clean_env() -> dict[str, str]:
+    """The caller's environment without its PLEXRL_ and OTEL_ variables."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("PLEXRL_", "OTEL_"))}
+
+
+def plexrl(*args: str) -> list[str]:
+    return [sys.executable, "-m", "services", *args]
+
+
+def run_up(out: Path, *args: str, timeout: float = 240.0) -> subprocess.CompletedProcess[str]:
+    """``plexrl up ARGS --output-dir OUT --no-live`` in a clean environment, asserted to exit 0."""
     up = subprocess.run(
-        [*command, "--output-dir", str(out), "--no-live"],
-        env=env,
+        plexrl("up", *args, "--output-dir", str(out), "--no-live"),
+        env=clean_env(),
         capture_output=True,
         text=True,
         timeout=timeout,
     )
     assert up.returncode == 0, f"plexrl up failed:\n{up.stdout}\n{up.stderr}"
+    return up
+
+
+def run_up_one_run(out: Path, *args: str, timeout: float = 240.0) -> UpResult:
+    """``plexrl up --runs 1 ARGS --output-dir OUT --no-live``, asserted to exit 0, with a clean
+    environment (no PLEXRL_ or OTEL_ variables of the caller)."""
+    run_up(out, "--runs", "1", *args, timeout=timeout)
     (run_dir,) = [p for p in out.iterdir() if (p / "metrics.jsonl").exists()]
     return UpResult(
         out, run_dir, _lines(run_dir / "metrics.jsonl"), _lines(run_dir / "trainer_steps.jsonl")
