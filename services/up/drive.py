@@ -62,6 +62,16 @@ async def drive_runs(
     """Start every run's orchestrator and watch them to the end; ``check`` raises to abort."""
     from services.orchestrator.run_loop import RunOrchestrator
 
+    # A run of its own stop each, so that the driver ends the runs its early-stop rule evicts
+    # itself, whenever their orchestrators hear of the eviction; a global stop sets them all.
+    stops = {run.run_id: asyncio.Event() for run in planned}
+
+    async def forward_stop() -> None:
+        await stop.wait()
+        for event in stops.values():
+            event.set()
+
+    forwarder = asyncio.create_task(forward_stop())
     views, tasks = [], []
     for run in planned:
         orch = RunOrchestrator(
@@ -73,7 +83,7 @@ async def drive_runs(
             submitted_by=submitted_by,
         )
         views.append(RunView(run.run_id, run.config.env, run.config.max_steps, orch.metrics_path))
-        tasks.append(asyncio.create_task(orch.run(stop), name=run.run_id))
+        tasks.append(asyncio.create_task(orch.run(stops[run.run_id]), name=run.run_id))
     halving = Halving(early_stop) if early_stop is not None else None
     released: set[str] = set()
 
@@ -100,13 +110,16 @@ async def drive_runs(
         rewards = {v.run_id: v.rewards() for v in views}
         decided = halving.decide(rewards, await active_runs(bus), finished)
         await request_evictions(bus, decided)
+        for run_id in decided:
+            stops[run_id].set()
 
     try:
         results = await _watch(views, tasks, check, judge, console, live=live, title=title)
     finally:
+        forwarder.cancel()
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(forwarder, *tasks, return_exceptions=True)
     return Driven(views, results, dict(halving.evicted) if halving else {})
 
 
