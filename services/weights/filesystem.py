@@ -28,7 +28,7 @@ from services.bus import Bus
 from services.model.peft_io import ADAPTER_WEIGHTS, FULL_WEIGHTS_FILE, write_weights_dir
 from services.weights.errors import WeightsError
 from services.weights.stream import CHUNK_BYTES, EncodedStream, StreamDecoder, split
-from services.weights.transport import SenderOptions
+from services.weights.transport import SenderOptions, forget_each
 
 log = logging.getLogger(__name__)
 
@@ -67,15 +67,12 @@ class FilesystemSender:
         }
 
     async def forget(self, run_id: str, steps: Collection[int]) -> set[int]:
-        removed = set()
-        for step in steps:
-            try:
-                await asyncio.to_thread(_remove_dir, self._root(run_id) / f"step_{step}")
-            except OSError as exc:
-                log.warning("%s: could not remove weights of step %d: %s", run_id, step, exc)
-                continue
-            removed.add(step)
-        return removed
+        return await forget_each(
+            run_id,
+            steps,
+            lambda step: asyncio.to_thread(_remove_dir, self._root(run_id) / f"step_{step}"),
+            (OSError,),
+        )
 
     async def close(self) -> None:
         pass

@@ -25,7 +25,7 @@ from services.bus import Bus
 from services.weights.blobs import BlobError, delete_blob, list_keys, stream_blob, write_blob
 from services.weights.errors import WeightsError
 from services.weights.stream import EncodedStream, StreamDecoder
-from services.weights.transport import SenderOptions
+from services.weights.transport import SenderOptions, forget_each
 
 log = logging.getLogger(__name__)
 
@@ -58,15 +58,12 @@ class ObjectStoreSender:
         }
 
     async def forget(self, run_id: str, steps: Collection[int]) -> set[int]:
-        removed = set()
-        for step in steps:
-            try:
-                await delete_blob(self.bus, weights_object_key(run_id, step))
-            except (BlobError, nats.errors.Error) as exc:
-                log.warning("%s: could not remove weights of step %d: %s", run_id, step, exc)
-                continue
-            removed.add(step)
-        return removed
+        return await forget_each(
+            run_id,
+            steps,
+            lambda step: delete_blob(self.bus, weights_object_key(run_id, step)),
+            (BlobError, nats.errors.Error),
+        )
 
     async def close(self) -> None:
         pass

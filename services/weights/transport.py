@@ -17,7 +17,8 @@ as a collective replica joins its group at start-up) and, if it may not run ever
 from __future__ import annotations
 
 import importlib
-from collections.abc import Collection, Mapping
+import logging
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -37,6 +38,8 @@ TRANSPORTS: dict[str, str] = {
     "ucx": "services.weights.ucx",
     "collective": "services.weights.collective",
 }
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,24 @@ class WeightFetcher(Protocol):
     ) -> dict[str, Tensor]: ...
 
     async def close(self) -> None: ...
+
+
+async def forget_each(
+    run_id: str,
+    steps: Collection[int],
+    remove: Callable[[int], Awaitable[object]],
+    errors: tuple[type[BaseException], ...],
+) -> set[int]:
+    """``remove`` each step's weights; the steps removed (a failure is logged, not raised)."""
+    removed = set()
+    for step in steps:
+        try:
+            await remove(step)
+        except errors as exc:
+            log.warning("%s: could not remove weights of step %d: %s", run_id, step, exc)
+            continue
+        removed.add(step)
+    return removed
 
 
 def module(transport: str) -> ModuleType:
