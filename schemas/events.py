@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from schemas.run_id import RUN_ID_PATTERN
+from schemas.tenant import DEFAULT_TENANT
 
 SCHEMA_VERSION = 1
 """The version this code writes. Readers accept every version listed in SUPPORTED_VERSIONS."""
@@ -38,6 +39,15 @@ RunId = Annotated[
 ]
 RunIndex = Annotated[
     int, msgspec.Meta(ge=0, le=4095, description="the run's slot in the index pool")
+]
+Tenant = Annotated[
+    str,
+    msgspec.Meta(
+        pattern=r"^(?!run_)[A-Za-z0-9_-]{1,64}(?!\n)$",
+        description="the tenant that owns the run: 1-64 letters, digits, '_' or '-', "
+        "not starting with 'run_' ('default' when no tenants are configured)",
+        examples=["default", "team-a"],
+    ),
 ]
 Step = Annotated[int, msgspec.Meta(ge=0)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -94,6 +104,7 @@ class RunDiscovered(Event, frozen=True, kw_only=True, tag="run_discovered"):
     idx: RunIndex
     config: dict[str, Any]
     config_digest: str = ""
+    tenant: Tenant = DEFAULT_TENANT
 
 
 class RunConfigInvalid(Event, frozen=True, kw_only=True, tag="run_config_invalid"):
@@ -105,6 +116,7 @@ class RunConfigInvalid(Event, frozen=True, kw_only=True, tag="run_config_invalid
 
     run_id: RunId
     error: ShortText
+    tenant: Tenant = DEFAULT_TENANT
 
 
 class EvictRequested(Event, frozen=True, kw_only=True, tag="evict_requested"):
@@ -129,6 +141,7 @@ class RunEvicted(Event, frozen=True, kw_only=True, tag="run_evicted"):
     run_id: RunId
     idx: RunIndex
     reason: ShortText
+    tenant: Tenant = DEFAULT_TENANT
 
 
 class RunForgotten(Event, frozen=True, kw_only=True, tag="run_forgotten"):
@@ -140,6 +153,7 @@ class RunForgotten(Event, frozen=True, kw_only=True, tag="run_forgotten"):
 
     run_id: RunId
     idx: RunIndex
+    tenant: Tenant = DEFAULT_TENANT
 
 
 # --- rollouts (stream PLEXRL_ROLLOUTS) --------------------------------------------------------
@@ -289,6 +303,58 @@ class ServiceError(Event, frozen=True, kw_only=True, tag="service_error"):
     context: dict[str, str] = msgspec.field(default_factory=dict)
 
 
+# --- the run list (request/reply, answered by the registry) -----------------------------------
+
+RunStatusName = Literal["waiting", "active", "invalid", "evicted", "forgotten"]
+"""A run's status in the registry (the same names as :data:`schemas.records.RunStatus`)."""
+
+
+class RunListRequest(Event, frozen=True, kw_only=True, tag="run_list_request"):
+    """Asks the registry for its run table with each run's progress.
+
+    Producer: ``plexrl runs``, dashboards, any client. Consumer: registry.
+    Subject: ``plexrl.registry.list`` (every run; the default tenant's credentials) or
+    ``plexrl.registry.<tenant>.list`` (only that tenant's runs), request/reply; the reply is a
+    RunList. The tenant is read from the subject, which the broker vouches for: ``tenant`` in the
+    body is informative only and never widens the answer. An empty body asks with the defaults.
+    """
+
+    tenant: str | None = None
+    statuses: list[RunStatusName] = msgspec.field(default_factory=list)
+    """only runs in these statuses (empty: every status)"""
+
+
+class RunRow(msgspec.Struct, frozen=True, kw_only=True):
+    """One run in a RunList: its table record joined with its progress in ``plexrl-progress``."""
+
+    run_id: RunId
+    tenant: Tenant = DEFAULT_TENANT
+    status: RunStatusName
+    idx: RunIndex | None = None
+    step: NonNegInt | None = None
+    total_tokens: NonNegInt | None = None
+    total_samples: NonNegInt | None = None
+    reward_mean: float | None = None
+    updated_at: float = 0.0
+    """the later of the run's last table write and its last progress write (epoch seconds)"""
+    detail: str = ""
+    """why the run is invalid or evicted"""
+
+
+class RunList(Event, frozen=True, kw_only=True, tag="run_list"):
+    """The registry's answer to a RunListRequest.
+
+    Producer: registry. Consumer: the requester.
+    ``runs`` holds the runs the subject's tenant may see (every run for the default tenant),
+    active first. On failure (a request that does not decode, an answer too big for one message)
+    ``runs`` is empty and ``error`` says why.
+    """
+
+    tenant: Tenant = DEFAULT_TENANT
+    runs: list[RunRow] = msgspec.field(default_factory=list)
+    error: str | None = None
+
+
 ALL_EVENTS: tuple[type[Event], ...] = (
     RunSubmitted,
     RunDiscovered,
@@ -302,6 +368,8 @@ ALL_EVENTS: tuple[type[Event], ...] = (
     GenerateResponse,
     InvalidMessage,
     ServiceError,
+    RunListRequest,
+    RunList,
 )
 
 AnyEvent = (
@@ -317,6 +385,8 @@ AnyEvent = (
     | GenerateResponse
     | InvalidMessage
     | ServiceError
+    | RunListRequest
+    | RunList
 )
 
 RunEvent = (

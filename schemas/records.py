@@ -24,7 +24,9 @@ from schemas.events import (
     RunId,
     RunIndex,
     Step,
+    Tenant,
 )
+from schemas.tenant import DEFAULT_TENANT
 
 RunStatus = Literal["waiting", "active", "invalid", "evicted", "forgotten"]
 """waiting: valid, no free index yet; active: holds ``idx``; invalid: its config was rejected;
@@ -68,27 +70,35 @@ class RunRecord(msgspec.Struct, kw_only=True):
     source: str = ""
     updated_at: float = 0.0
     """wall-clock time of the write, seconds since the epoch"""
+    tenant: Tenant = DEFAULT_TENANT
+    """the tenant that owns the run (fixed by its first submit; the broker vouches for it)"""
 
     def lifecycle_event(self) -> tuple[str, str, Event] | None:
         """(subject, Nats-Msg-Id, event) this state owes the stream, or None."""
-        rid, n = self.run_id, self.transition
+        rid, n, tenant = self.run_id, self.transition, self.tenant
         match self.status:
             case "active" if self.idx is not None:
                 short = self.config_digest.removeprefix("sha256:")[:16]
                 event: Event = RunDiscovered(
-                    run_id=rid, idx=self.idx, config=self.config, config_digest=self.config_digest
+                    run_id=rid,
+                    idx=self.idx,
+                    config=self.config,
+                    config_digest=self.config_digest,
+                    tenant=tenant,
                 )
-                return sj.DISCOVERED, f"{rid}/discovered/{n}/{short}", event
+                return sj.runs_subject("discovered", tenant), f"{rid}/discovered/{n}/{short}", event
             case "invalid":
                 short = self.file_digest.removeprefix("sha256:")[:16]
-                event = RunConfigInvalid(run_id=rid, error=self.error[:16000])
-                return sj.INVALID, f"{rid}/invalid/{n}/{short}", event
+                event = RunConfigInvalid(run_id=rid, error=self.error[:16000], tenant=tenant)
+                return sj.runs_subject("invalid", tenant), f"{rid}/invalid/{n}/{short}", event
             case "evicted" if self.released_idx is not None:
-                event = RunEvicted(run_id=rid, idx=self.released_idx, reason=self.reason[:16000])
-                return sj.EVICTED, f"{rid}/evicted/{n}", event
+                event = RunEvicted(
+                    run_id=rid, idx=self.released_idx, reason=self.reason[:16000], tenant=tenant
+                )
+                return sj.runs_subject("evicted", tenant), f"{rid}/evicted/{n}", event
             case "forgotten" if self.released_idx is not None:
-                event = RunForgotten(run_id=rid, idx=self.released_idx)
-                return sj.FORGOTTEN, f"{rid}/forgotten/{n}", event
+                event = RunForgotten(run_id=rid, idx=self.released_idx, tenant=tenant)
+                return sj.runs_subject("forgotten", tenant), f"{rid}/forgotten/{n}", event
         return None
 
     def next(self, status: RunStatus, **changes: Any) -> RunRecord:
@@ -100,6 +110,7 @@ class RunRecord(msgspec.Struct, kw_only=True):
             transition=self.transition + 1,
             last_published=self.last_published,
             submit_seq=max(self.submit_seq, changes.pop("submit_seq", 0)),
+            tenant=changes.pop("tenant", self.tenant),
             **changes,
         )
 
@@ -139,6 +150,8 @@ class Progress(msgspec.Struct, kw_only=True):
     """wall-clock time of the write (seconds since the epoch)"""
     reward_mean: float | None = None
     """mean reward of the last trained batch, when the writer knows it"""
+    tenant: Tenant = DEFAULT_TENANT
+    """the tenant that owns the run"""
 
 
 ALL_RECORDS: dict[str, type[msgspec.Struct]] = {"run_record": RunRecord, "progress": Progress}

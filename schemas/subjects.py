@@ -26,11 +26,14 @@ from schemas.events import (
     RunDiscovered,
     RunEvicted,
     RunForgotten,
+    RunList,
+    RunListRequest,
     RunSubmitted,
     ServiceError,
     WeightsReady,
 )
 from schemas.run_id import validate_run_id
+from schemas.tenant import DEFAULT_TENANT, validate_tenant
 
 # --- streams ---------------------------------------------------------------------------------
 
@@ -144,12 +147,107 @@ def collective_subjects(group: str = DEFAULT_COLLECTIVE_GROUP) -> CollectiveSubj
 
 def run_id_from_subject(subject: str) -> str:
     """The run id that ends a rollouts or weights subject; ``ValueError`` for any other."""
+    return per_run_subject(subject)[1]
+
+
+def per_run_subject(subject: str) -> tuple[str, str]:
+    """(tenant, run_id) of a rollouts or weights subject, either form; ``ValueError`` otherwise."""
     for prefix in (_ROLLOUTS_PREFIX, _WEIGHTS_PREFIX):
         if subject.startswith(prefix):
-            return validate_run_id(subject.removeprefix(prefix))
+            rest = subject.removeprefix(prefix).split(".")
+            if len(rest) == 1:
+                return DEFAULT_TENANT, validate_run_id(rest[0])
+            if len(rest) == 2:
+                return _tenant_token(rest[0]), validate_run_id(rest[1])
+            break
     raise ValueError(
         f"{subject!r} is not a per-run subject ({ROLLOUTS_WILDCARD}, {WEIGHTS_WILDCARD})"
     )
+
+
+# --- tenants ---------------------------------------------------------------------------------
+#
+# A run of the default tenant uses the subjects above, unchanged. A run of tenant ``t`` carries
+# the tenant as one more token, right after the family: ``plexrl.runs.t.submit``,
+# ``plexrl.rollouts.t.<run_id>``, ``plexrl.inference.t.generate``... The broker's per-user
+# permissions (``plexrl nats-config``) allow a tenant's credentials exactly its own token, so the
+# tenant a service reads from a subject is the tenant the broker authenticated. The stream
+# wildcards (``plexrl.runs.>`` and so on) capture both forms; the two are told apart by their
+# number of tokens (a run id always starts with ``run_`` and never holds a dot).
+
+LIFECYCLE_KINDS = ("discovered", "invalid", "evicted", "forgotten")
+REQUEST_KINDS = ("submit", "evict")
+REGISTRY_LIST = "plexrl.registry.list"
+"""request/reply: the run table with progress (a tenant's form lists only its own runs)"""
+
+SUBMIT_TENANTS = "plexrl.runs.*.submit"
+EVICT_TENANTS = "plexrl.runs.*.evict"
+GENERATE_TENANTS = "plexrl.inference.*.generate"
+REGISTRY_LIST_TENANTS = "plexrl.registry.*.list"
+
+
+def _tenant_token(tenant: str) -> str:
+    return validate_tenant(tenant)
+
+
+def _with_tenant(family: str, rest: str, tenant: str) -> str:
+    if tenant == DEFAULT_TENANT:
+        return f"{family}.{rest}"
+    return f"{family}.{_tenant_token(tenant)}.{rest}"
+
+
+def runs_subject(kind: str, tenant: str = DEFAULT_TENANT) -> str:
+    """``plexrl.runs[.<tenant>].<kind>`` for a request kind or a lifecycle event kind."""
+    if kind not in REQUEST_KINDS + LIFECYCLE_KINDS:
+        raise ValueError(f"unknown runs subject kind {kind!r}")
+    return _with_tenant("plexrl.runs", kind, tenant)
+
+
+def tenant_rollouts_subject(run_id: str, tenant: str = DEFAULT_TENANT) -> str:
+    """``plexrl.rollouts[.<tenant>].<run_id>``."""
+    return _with_tenant("plexrl.rollouts", validate_run_id(run_id), tenant)
+
+
+def tenant_weights_subject(run_id: str, tenant: str = DEFAULT_TENANT) -> str:
+    """``plexrl.weights[.<tenant>].<run_id>``."""
+    return _with_tenant("plexrl.weights", validate_run_id(run_id), tenant)
+
+
+def generate_subject(tenant: str = DEFAULT_TENANT) -> str:
+    """``plexrl.inference[.<tenant>].generate``."""
+    return _with_tenant("plexrl.inference", "generate", tenant)
+
+
+def registry_list_subject(tenant: str = DEFAULT_TENANT) -> str:
+    """``plexrl.registry[.<tenant>].list``."""
+    return _with_tenant("plexrl.registry", "list", tenant)
+
+
+def tenant_of_subject(subject: str) -> str:
+    """The tenant a runs, rollouts, weights, generate or registry-list subject belongs to.
+
+    ``ValueError`` for a subject of none of these families or with an illegal tenant token.
+    """
+    tokens = subject.split(".")
+    if len(tokens) < 3 or tokens[0] != "plexrl":
+        raise ValueError(f"{subject!r} is not a plexrl subject")
+    family = tokens[1]
+    if family in ("rollouts", "weights"):
+        return per_run_subject(subject)[0]
+    if family in ("runs", "inference", "registry") and len(tokens) in (3, 4):
+        return DEFAULT_TENANT if len(tokens) == 3 else _tenant_token(tokens[2])
+    raise ValueError(f"{subject!r} carries no tenant")
+
+
+def weights_bucket(tenant: str = DEFAULT_TENANT) -> str:
+    """The object store that holds a tenant's adapters: ``plexrl-weights[-<tenant>]``.
+
+    One store per tenant, so the broker can let a tenant read its own adapters (the whole
+    ``OBJ_plexrl-weights-<tenant>`` stream) and nobody else's.
+    """
+    if tenant == DEFAULT_TENANT:
+        return OBJECT_STORE_WEIGHTS
+    return f"{OBJECT_STORE_WEIGHTS}-{_tenant_token(tenant)}"
 
 
 def rollout_msg_id(run_id: str, step: int) -> str:
@@ -277,6 +375,17 @@ CHANNELS: tuple[Channel, ...] = (
         summary="completions with per-token log-probabilities under a run's adapter",
         reply=(GenerateResponse,),
         queue_group=INFERENCE_QUEUE_GROUP,
+    ),
+    Channel(
+        "registry_list",
+        REGISTRY_LIST,
+        None,
+        (RunListRequest,),
+        producers="plexrl runs, dashboards, any client",
+        consumers="registry",
+        summary="the run table with each run's progress; a tenant asks on "
+        "plexrl.registry.<tenant>.list and sees only its own runs",
+        reply=(RunList,),
     ),
     Channel(
         "errors",

@@ -10,8 +10,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from schemas.tenant import validate_tenant
 from services.config.loader import load_settings
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
@@ -59,11 +60,33 @@ class ProcessSettings(BaseModel):
         description="address /metrics listens on (unset: OTEL_EXPORTER_PROMETHEUS_HOST, then "
         "127.0.0.1)",
     )
+    tenant: str = Field(
+        "default",
+        description="the tenant this client acts for: its runs' subjects carry the name and its "
+        "credentials allow no other (services keep 'default', which may act for every tenant)",
+    )
+    nats_creds: Path | None = Field(
+        None,
+        description="credentials for NATS: an nkey seed file (`plexrl tenants add` writes one "
+        "per tenant) or a .creds file (user JWT and seed); unset: no authentication",
+    )
+    tls_ca: Path | None = Field(
+        None, description="CA certificate (PEM) that signed the NATS server's certificate"
+    )
+    tls_cert: Path | None = Field(
+        None, description="client certificate (PEM), where the server asks for one"
+    )
+    tls_key: Path | None = Field(None, description="private key (PEM) of tls_cert")
     fault: str = Field(
         "",
         description="tests only: exit with status 137 at a named point, "
         "'<point>[@<run_id>][:<at>]' (services/launch/faults.py)",
     )
+
+    @field_validator("tenant")
+    @classmethod
+    def _tenant_name(cls, v: str) -> str:
+        return validate_tenant(v)
 
 
 def process_settings(environ: Mapping[str, str] | None = None, **flags: Any) -> ProcessSettings:

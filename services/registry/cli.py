@@ -23,8 +23,9 @@ def register(subparsers: Any) -> None:
         description=(
             "The registry owns run identity: it discovers runs in OUTPUT_DIR/run_*/control/"
             "orch.toml and from RunSubmitted events, validates their config, gives each an "
-            "index from a pool of --max-runs, evicts and forgets runs, keeps its table in KV "
-            "plexrl-registry and publishes lifecycle events on PLEXRL_RUNS."
+            "index from a pool of --max-runs (fair share across tenants, quotas from "
+            "--tenants-file), evicts and forgets runs, keeps its table in KV plexrl-registry, "
+            "publishes lifecycle events on PLEXRL_RUNS and answers plexrl.registry.list."
         ),
     )
     add_common_args(parser)
@@ -39,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
     import signal
 
     from services.config import SettingsError, nats_url, settings_from_args
+    from services.config.tenants import TenantsFileError, load_tenants
     from services.launch import fail, run_service
     from services.registry.service import Registry, RegistryError
     from services.registry.validation import HookLoadError, make_validator
@@ -46,13 +48,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(RegistrySettings, args)
         url = nats_url(args)
-        # Load the hooks before connecting: a typo in a hook name is a usage error.
+        # Load the hooks and the tenants file before connecting: a mistake in either is a usage
+        # error.
         make_validator(settings.max_lora_rank, settings.max_async_level, settings.validation_hooks)
-    except (SettingsError, HookLoadError) as exc:
+        tenants = load_tenants(settings.tenants_file)
+    except (SettingsError, HookLoadError, TenantsFileError) as exc:
         return fail("registry", exc)
 
     async def serve(bus: Any, stop: asyncio.Event) -> None:
-        registry = Registry(bus, settings)
+        registry = Registry(bus, settings, tenants=tenants)
         try:
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, registry.request_scan)
         except (NotImplementedError, RuntimeError):  # no SIGHUP on this platform

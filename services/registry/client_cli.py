@@ -5,6 +5,11 @@ for a mistake), then publishes RunSubmitted; with ``--wait`` it also waits for t
 answer. ``evict`` publishes EvictRequested. ``runs`` prints the run table from KV
 ``plexrl-registry`` joined with the progress in KV ``plexrl-progress``.
 
+Each command acts for the tenant of ``PLEXRL_TENANT`` (default ``default``): ``submit`` and
+``evict`` publish on that tenant's subjects (``plexrl.runs.<tenant>.submit``...), and a tenant
+other than the default, whose credentials cannot read the KV buckets, reads its runs through the
+registry's list service (``plexrl.registry.<tenant>.list``) instead.
+
 Every command exits with status 1 and says where it looked when NATS cannot be reached.
 """
 
@@ -55,7 +60,7 @@ def register(subparsers: Any) -> None:
 
     runs = subparsers.add_parser(
         "runs",
-        help="show the run table: id, index, status, step, tokens, samples",
+        help="show the run table: id, tenant, index, status, step, tokens, samples",
         description="The registry's run table (KV plexrl-registry) with each run's progress.",
     )
     runs.add_argument("--all", action="store_true", help="include forgotten runs")
@@ -97,44 +102,65 @@ def _submit(args: argparse.Namespace) -> int:
     return _connected(args, lambda bus: _publish_submit(bus, run_id, config, args.wait))
 
 
+def _tenant() -> str:
+    from services.config import process_settings
+
+    return process_settings().tenant
+
+
 async def _publish_submit(bus: Any, run_id: str, config: Any, wait: float) -> int:
     from schemas import subjects as sj
     from schemas.events import RunSubmitted
+    from schemas.tenant import DEFAULT_TENANT
 
+    tenant = _tenant()
     digest = config.digest()
     answers: asyncio.Queue[Any] = asyncio.Queue()
-    subs = []
     if wait > 0:  # subscribe before publishing, so no answer can slip past
-        for subject in (sj.INVALID, "plexrl.errors.>"):
-            subs.append(await bus.nc.subscribe(subject, cb=answers.put))
+        watched = [sj.runs_subject("invalid", tenant)]
+        if tenant == DEFAULT_TENANT:  # a tenant's credentials may not read the error reports
+            watched.append("plexrl.errors.>")
+        for subject in watched:
+            await bus.nc.subscribe(subject, cb=answers.put)
     event = RunSubmitted(
         run_id=run_id,
         config=config.to_dict(),
         submitted_by=f"plexrl submit ({getpass.getuser()}@{socket.gethostname()})",
     )
-    ack = await bus.publish(sj.SUBMIT, event, msg_id=f"{run_id}/submit/{uuid.uuid4().hex}")
+    subject = sj.runs_subject("submit", tenant)
+    ack = await bus.publish(subject, event, msg_id=f"{run_id}/submit/{uuid.uuid4().hex}")
     print(f"submitted {run_id} (config {digest}, stream sequence {ack.seq})")
     if wait > 0:
-        return await _await_answer(bus, run_id, digest, answers, wait)
+        return await _await_answer(bus, run_id, digest, answers, wait, tenant)
     print("follow it with `plexrl runs`")
     return 0
 
 
+async def _record_of(bus: Any, run_id: str, tenant: str) -> Any:
+    """``run_id``'s record (KV) or, for a tenant, its row from the list service; or None."""
+    from schemas.tenant import DEFAULT_TENANT
+    from services.runs.table import list_runs, read_record
+
+    if tenant == DEFAULT_TENANT:
+        return await read_record(bus, run_id)
+    return next((r for r in await list_runs(bus, tenant) if r.run_id == run_id), None)
+
+
 async def _await_answer(
-    bus: Any, run_id: str, digest: str, answers: asyncio.Queue[Any], wait: float
+    bus: Any, run_id: str, digest: str, answers: asyncio.Queue[Any], wait: float, tenant: str
 ) -> int:
     """Poll the run table and watch for a rejection until the registry has answered."""
     from schemas.codec import DecodeError, decode
     from schemas.events import RunConfigInvalid, ServiceError
-    from services.runs.table import read_record
 
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
         try:
-            rec = await read_record(bus, run_id)
-        except Exception:  # unreadable, or the connection briefly away
+            rec = await _record_of(bus, run_id, tenant)
+        except Exception:  # unreadable, no registry answering yet, or the connection away
             rec = None
-        if rec is not None and rec.config_digest == digest:
+        # a tenant's row carries no digest: a rejection of this submit comes as RunConfigInvalid
+        if rec is not None and getattr(rec, "config_digest", digest) == digest:
             if rec.status == "active":
                 print(f"{run_id} is running with index {rec.idx}")
                 return 0
@@ -172,13 +198,17 @@ def _evict(args: argparse.Namespace) -> int:
 async def _publish_evict(bus: Any, run_id: str, reason: str) -> int:
     from schemas import subjects as sj
     from schemas.events import EvictRequested
-    from services.runs.table import read_table
 
-    records = await read_table(await bus.js.key_value(sj.KV_REGISTRY))
+    tenant = _tenant()
+    try:
+        record = await _record_of(bus, run_id, tenant)
+    except Exception as exc:  # only the note below needs it: the request goes out anyway
+        print(f"note: cannot read {run_id}'s status ({exc})", file=sys.stderr)
+        record = None
     event = EvictRequested(run_id=run_id, reason=reason[:16000], requested_by="plexrl evict")
-    await bus.publish(sj.EVICT, event, msg_id=f"{run_id}/evict/{uuid.uuid4().hex}")
+    subject = sj.runs_subject("evict", tenant)
+    await bus.publish(subject, event, msg_id=f"{run_id}/evict/{uuid.uuid4().hex}")
     print(f"asked the registry to evict {run_id}: {reason}")
-    record = records.get(run_id)
     if record is None or record.status in ("evicted", "forgotten"):
         # sent anyway: the registry may find the directory the table does not list yet
         state = record.status if record else "not in the run table"
@@ -193,28 +223,60 @@ _ORDER = {"active": 0, "waiting": 1, "invalid": 2, "evicted": 3, "forgotten": 4}
 
 async def _runs(bus: Any, args: argparse.Namespace) -> int:
     from schemas.run_id import in_sweep
-    from schemas.subjects import KV_REGISTRY
-    from services.runs.progress import read_progress
-    from services.runs.table import read_table
+    from schemas.tenant import DEFAULT_TENANT
 
-    records = await read_table(await bus.js.key_value(KV_REGISTRY))
-    shown = [r for r in records.values() if args.all or r.status != "forgotten"]
+    tenant = _tenant()
+    if tenant == DEFAULT_TENANT:
+        rows = await _rows_from_kv(bus)
+    else:
+        rows = await _rows_from_registry(bus, tenant)
+    rows = [r for r in rows if args.all or r["status"] != "forgotten"]
     if args.sweep:
-        shown = [r for r in shown if in_sweep(r.run_id, args.sweep)]
-    shown.sort(key=lambda r: (_ORDER.get(r.status, 9), -1 if r.idx is None else r.idx, r.run_id))
-    rows = []
-    for rec in shown:
-        progress = await read_progress(bus, rec.run_id)
-        row: dict[str, Any] = {"run_id": rec.run_id, "idx": rec.idx, "status": rec.status}
-        for key in ("step", "total_tokens", "total_samples", "reward_mean"):
-            row[key] = getattr(progress, key) if progress else None
-        rows.append(row | {"detail": rec.error or rec.reason})
+        rows = [r for r in rows if in_sweep(r["run_id"], args.sweep)]
+    rows.sort(key=lambda r: (_ORDER.get(r["status"], 9), _idx_key(r["idx"]), r["run_id"]))
     if args.json:
         for row in rows:
             print(json.dumps(row))
         return 0
     _print_table(rows, f"sweep {args.sweep}" if args.sweep else "plexrl runs")
     return 0
+
+
+def _idx_key(idx: int | None) -> int:
+    return -1 if idx is None else idx
+
+
+async def _rows_from_kv(bus: Any) -> list[dict[str, Any]]:
+    """Every run: the table in KV plexrl-registry joined with KV plexrl-progress."""
+    from schemas.subjects import KV_REGISTRY
+    from services.runs.progress import read_progress
+    from services.runs.table import read_table
+
+    records = await read_table(await bus.js.key_value(KV_REGISTRY))
+    rows = []
+    for rec in records.values():
+        progress = await read_progress(bus, rec.run_id)
+        row: dict[str, Any] = {
+            "run_id": rec.run_id,
+            "tenant": rec.tenant,
+            "idx": rec.idx,
+            "status": rec.status,
+        }
+        for key in ("step", "total_tokens", "total_samples", "reward_mean"):
+            row[key] = getattr(progress, key) if progress else None
+        rows.append(row | {"detail": rec.error or rec.reason})
+    return rows
+
+
+async def _rows_from_registry(bus: Any, tenant: str) -> list[dict[str, Any]]:
+    """``tenant``'s runs, as the registry's list service answers them."""
+    from services.runs.table import list_runs
+
+    keys = ("run_id", "tenant", "idx", "status", "step", "total_tokens", "total_samples")
+    return [
+        {k: getattr(r, k) for k in keys} | {"reward_mean": r.reward_mean, "detail": r.detail}
+        for r in await list_runs(bus, tenant)
+    ]
 
 
 def _print_table(rows: list[dict[str, Any]], title: str) -> None:
@@ -225,11 +287,12 @@ def _print_table(rows: list[dict[str, Any]], title: str) -> None:
         return "-" if v is None else fmt.format(v)
 
     table = Table(title=f"{title} ({len(rows)})")
-    for name in ("id", "idx", "status", "step", "tokens", "samples", "reward", "detail"):
+    for name in ("id", "tenant", "idx", "status", "step", "tokens", "samples", "reward", "detail"):
         table.add_column(name, justify="right" if name in ("idx", "step", "tokens") else "left")
     for r in rows:
         table.add_row(
             r["run_id"],
+            r["tenant"],
             cell(r["idx"]),
             r["status"],
             cell(r["step"]),

@@ -1,7 +1,8 @@
 """The registry's state and the write-ahead protocol that makes every change crash-safe.
 
 The ledger holds the run records (mirrored in KV ``plexrl-registry``) and the index pool built
-from them. A change reaches the world in this order, per run:
+from them; free indices go to waiting runs by fair share across tenants (:mod:`.fair_share`).
+A change reaches the world in this order, per run:
 
 1. the KV record (the commit point: it carries the index and the message id it owes);
 2. the lifecycle event, published with that ``Nats-Msg-Id`` (the stream drops a second copy);
@@ -27,6 +28,7 @@ import logging
 from schemas.subjects import KV_REGISTRY
 from services.bus import Bus
 from services.launch.faults import crash_point
+from services.registry.fair_share import MaxRuns, assign
 from services.registry.pool import IndexPool, PoolError
 from services.registry.table import RunRecord, RunTable
 
@@ -36,6 +38,10 @@ log = logging.getLogger(__name__)
 _PUBLISH_ORDER = {"evicted": 0, "forgotten": 0, "invalid": 1, "active": 2}
 
 
+def _no_limit(tenant: str) -> int | None:
+    return None
+
+
 class RegistryError(RuntimeError):
     """The persisted table cannot be served with these settings; the message says what to do."""
 
@@ -43,9 +49,10 @@ class RegistryError(RuntimeError):
 class Ledger:
     """Run records, the index pool, and committing changes to KV and the stream."""
 
-    def __init__(self, bus: Bus, max_runs: int) -> None:
+    def __init__(self, bus: Bus, max_runs: int, tenant_max_runs: MaxRuns = _no_limit) -> None:
         self.bus = bus
         self.max_runs = max_runs
+        self.tenant_max_runs = tenant_max_runs
         self.pool = IndexPool(max_runs)
         self.records: dict[str, RunRecord] = {}
         self._staged: set[str] = set()  # new waiting runs not yet in KV
@@ -127,11 +134,17 @@ class Ledger:
         self._staged.add(rec.run_id)
 
     async def settle(self) -> None:
-        """Give every free index to the oldest waiting runs, then persist the runs still
-        waiting that KV does not know yet."""
+        """Give every free index to a waiting run (fair share across tenants, see
+        :mod:`.fair_share`), then persist the runs still waiting that KV does not know yet."""
+        candidates = [
+            r
+            for r in self.records.values()
+            if r.status == "active" or (r.status == "waiting" and self.pool.is_waiting(r.run_id))
+        ]
         assigned: list[RunRecord] = []
-        while (nxt := self.pool.next_assignment()) is not None:
-            run_id, idx = nxt
+        for run_id in assign(candidates, self.pool.num_free, self.tenant_max_runs):
+            idx = self.pool.acquire(run_id)
+            assert idx is not None, "assign() hands out no more runs than free indices"
             rec = self.records[run_id]
             assigned.append(rec.next("active", idx=idx, **rec.carried()))
             log.info("registry: %s discovered with index %d", run_id, idx)
@@ -139,7 +152,9 @@ class Ledger:
         still = [self.records[r] for r in sorted(self._staged) if self.pool.is_waiting(r)]
         self._staged.clear()
         for rec in still:
-            log.info(
-                "registry: %s waits for a free index (all %d taken)", rec.run_id, self.max_runs
-            )
+            if self.pool.num_free:
+                why = f"tenant {rec.tenant} holds its max_runs = {self.tenant_max_runs(rec.tenant)}"
+            else:
+                why = f"all {self.max_runs} taken"
+            log.info("registry: %s waits for a free index (%s)", rec.run_id, why)
         await asyncio.gather(*(self.save(r) for r in still))

@@ -9,6 +9,14 @@ when its file changes; ``EvictRequested`` (or an ``evicted.txt`` written by hand
 vanished directory is forgotten. Each change is announced on ``PLEXRL_RUNS``; the order in
 which files, KV and the stream are written is the ledger's (see :mod:`.ledger`).
 
+Every run belongs to a tenant: the one whose subject its first submit came on
+(``plexrl.runs.<tenant>.submit``; the broker vouches for the token), or the default tenant for
+``plexrl.runs.submit`` and for runs found on the filesystem. A tenant's submit is checked against
+its quotas (:mod:`.tenancy`), may not take a run id another tenant owns, and a tenant evicts only
+its own runs (the default tenant may evict any). Free indices go to waiting runs by fair share
+across tenants (:mod:`.fair_share`). The registry also answers ``plexrl.registry[.<tenant>].list``
+(:mod:`.listing`).
+
 One lock serialises every state change, so a scan, a submit and an eviction never interleave.
 """
 
@@ -18,6 +26,7 @@ import asyncio
 import hashlib
 import logging
 import time
+import uuid
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -27,12 +36,16 @@ from schemas import subjects as sj
 from schemas.config import dump_toml
 from schemas.events import EvictRequested, RunConfigInvalid, RunSubmitted
 from schemas.records import RunRecord, RunStatus
-from services.bus import Bus, Consumer, Delivery
+from schemas.tenant import DEFAULT_TENANT
+from services.bus import Bus, Consumer, Delivery, Reject
+from services.config.tenants import TenantsFile, load_tenants
 from services.launch.faults import crash_point
 from services.registry import discovery as fs
 from services.registry.ledger import Ledger, RegistryError
+from services.registry.listing import RunListService
 from services.registry.pool import IndexPool
 from services.registry.settings import RegistrySettings
+from services.registry.tenancy import evict_refusal, foreign_owner, quota_refusal, unknown_tenant
 from services.registry.validation import Validator, Verdict, file_digest, make_validator
 
 __all__ = ["Registry", "RegistryError"]
@@ -47,7 +60,12 @@ class Registry:
     """Discovers, validates, indexes, evicts and forgets runs; see the module docstring."""
 
     def __init__(
-        self, bus: Bus, settings: RegistrySettings, *, validator: Validator | None = None
+        self,
+        bus: Bus,
+        settings: RegistrySettings,
+        *,
+        validator: Validator | None = None,
+        tenants: TenantsFile | None = None,
     ) -> None:
         self.bus = bus
         self.settings = settings
@@ -55,7 +73,15 @@ class Registry:
         self.validator = validator or make_validator(
             settings.max_lora_rank, settings.max_async_level, settings.validation_hooks
         )
-        self.ledger = Ledger(bus, settings.max_runs)
+        # TenantsFileError for a file that does not load (the CLI loads it first: exit status 2)
+        self.tenants = tenants if tenants is not None else load_tenants(settings.tenants_file)
+        if settings.tenants_file is not None and not settings.tenants_file.exists():
+            log.warning(
+                "registry: no tenants file at %s yet: only the default tenant",
+                settings.tenants_file,
+            )
+        self.ledger = Ledger(bus, settings.max_runs, lambda t: self.tenants.quota(t).max_runs)
+        self.listing = RunListService(bus, lambda: list(self.ledger.records.values()))
         self._stamps: dict[str, tuple[int, int, int] | None] = {}  # orch.toml as last read
         self._reported: set[str] = set()
         self._lock = asyncio.Lock()
@@ -89,9 +115,13 @@ class Registry:
             await self.ledger.open()
             await self._scan_locked()  # publishes what a crash left owed first
         name = self.settings.consumer_name
+        # One durable consumer per subject form: the default tenant's subjects keep their names
+        # (and their consumers) from before tenants existed.
         for suffix, subject, event_type, handler in (
             ("submit", sj.SUBMIT, RunSubmitted, self._on_submit),
             ("evict", sj.EVICT, EvictRequested, self._on_evict),
+            ("submit-tenants", sj.SUBMIT_TENANTS, RunSubmitted, self._on_submit),
+            ("evict-tenants", sj.EVICT_TENANTS, EvictRequested, self._on_evict),
         ):
             consumer: Consumer[Any] = Consumer(
                 self.bus,
@@ -106,17 +136,20 @@ class Registry:
             self._consumers.append(consumer)
             self._tasks.append(asyncio.create_task(consumer.run(handler, self._stop)))
         self._tasks.append(asyncio.create_task(self._scan_loop()))
+        await self.listing.start()
         held = sum(r.status in _HOLDING for r in self.ledger.records.values())
         log.info(
-            "registry: serving %s (%d runs held, max_runs=%d)",
+            "registry: serving %s (%d runs held, max_runs=%d, %d tenants besides the default)",
             self.output_dir,
             held,
             self.settings.max_runs,
+            len(self.tenants.tenants),
         )
 
     async def stop(self) -> None:
         self._stop.set()
         self._scan_wanted.set()
+        await self.listing.stop()
         tasks, self._tasks = self._tasks, []
         # Holding the lock, no state change is cut in half; a message whose handler is still
         # waiting for the lock is not acknowledged and goes to the next registry instead.
@@ -144,13 +177,18 @@ class Registry:
         """Scan ``output_dir`` now and apply every change found."""
         await self._serialised(self._scan_locked())
 
-    async def submit(self, event: RunSubmitted, stream_seq: int = 0) -> None:
-        """Apply a RunSubmitted (``stream_seq`` makes a redelivered one a no-op)."""
-        await self._serialised(self._submit_locked(event, stream_seq))
+    async def submit(
+        self, event: RunSubmitted, stream_seq: int = 0, tenant: str = DEFAULT_TENANT
+    ) -> None:
+        """Apply a RunSubmitted from ``tenant`` (``stream_seq`` makes a redelivered one a no-op)."""
+        await self._serialised(self._submit_locked(event, stream_seq, tenant))
 
-    async def evict(self, run_id: str, reason: str, requested_by: str = "") -> bool:
-        """Evict ``run_id``; False (and a ServiceError report) if no such run is known."""
-        return await self._serialised(self._evict_locked(run_id, reason, requested_by))
+    async def evict(
+        self, run_id: str, reason: str, requested_by: str = "", tenant: str = DEFAULT_TENANT
+    ) -> bool:
+        """Evict ``run_id`` for ``tenant``; False (and a ServiceError report) if no such run is
+        known or it belongs to another tenant (the default tenant may evict any run)."""
+        return await self._serialised(self._evict_locked(run_id, reason, requested_by, tenant))
 
     async def _serialised(self, work: Coroutine[Any, Any, T]) -> T:
         async with self._lock:
@@ -168,10 +206,10 @@ class Registry:
                 raise
 
     async def _on_submit(self, event: RunSubmitted, delivery: Delivery) -> None:
-        await self.submit(event, delivery.stream_sequence)
+        await self.submit(event, delivery.stream_sequence, _tenant_of(delivery))
 
     async def _on_evict(self, event: EvictRequested, delivery: Delivery) -> None:
-        await self.evict(event.run_id, event.reason, event.requested_by)
+        await self.evict(event.run_id, event.reason, event.requested_by, _tenant_of(delivery))
 
     async def _scan_loop(self) -> None:
         while not self._stop.is_set():
@@ -209,9 +247,12 @@ class Registry:
                 log.error("registry: cannot process %s: %s", state.path, exc)
         await self.ledger.settle()
 
-    async def _reconcile(self, state: fs.RunDirState, submit_seq: int = 0) -> None:
+    async def _reconcile(
+        self, state: fs.RunDirState, submit_seq: int = 0, tenant: str = DEFAULT_TENANT
+    ) -> None:
         """Bring one run's record in line with its directory (new valid runs are only queued:
-        the caller settles them)."""
+        the caller settles them). A run not held yet becomes ``tenant``'s: the submitter's, or
+        the default tenant for a directory found by a scan."""
         run_id = state.run_id
         rec = self.ledger.get(run_id)
         live = rec if rec is not None and rec.status in _HOLDING else None
@@ -242,6 +283,8 @@ class Registry:
         verdict = self.validator.check_bytes(data)
         # a run never seen is like one forgotten at transition 0
         base = rec or RunRecord(run_id=run_id, status="forgotten")
+        if live is None:
+            base = msgspec.structs.replace(base, tenant=tenant)
         if verdict.config is None:
             await self._mark_invalid(base, live, verdict.error, digest, submit_seq)
             return
@@ -306,11 +349,14 @@ class Registry:
 
     # --- submit and evict ------------------------------------------------------------------
 
-    async def _submit_locked(self, event: RunSubmitted, seq: int) -> None:
+    async def _submit_locked(self, event: RunSubmitted, seq: int, tenant: str) -> None:
         run_id = event.run_id
         rec = self.ledger.get(run_id)
         if seq and rec is not None and rec.submit_seq >= seq:
             return  # a redelivery, or a replay of a submit already applied
+        if not self.tenants.knows(tenant):
+            await self._refuse_submit(run_id, tenant, unknown_tenant(tenant), seq)
+            return
         if fs.run_dir(self.output_dir, run_id).is_symlink():
             await self._refuse(
                 run_id,
@@ -322,6 +368,14 @@ class Registry:
         if rec is not None and rec.status in _HOLDING and state is None:
             await self._forget(rec)  # deleted since the last scan: the id is free again
             rec = self.ledger.get(run_id)
+        if (owner := foreign_owner(rec, tenant)) is not None:
+            # The owner's record and index stay as they are; the requester learns only that the
+            # id is taken, the operators (plexrl.errors.registry) by whom.
+            error = f"run id {run_id} belongs to another tenant; choose another run id"
+            await self._refuse_submit(run_id, tenant, error, seq)
+            why = f"refused a submit of {run_id} by tenant {tenant}: it belongs to tenant {owner}"
+            await self._refuse(None, why, run=run_id, tenant=tenant, owner=owner)
+            return
         verdict = self.validator.check_submission(event.config)
         if rec is not None and rec.status in ("active", "waiting"):
             if verdict.ok and verdict.digest == rec.config_digest:
@@ -340,8 +394,8 @@ class Registry:
             short = seq or hashlib.sha256(msgspec.json.encode(event.config)).hexdigest()[:16]
             log.info("registry: submitted %s is invalid: %s", run_id, verdict.error)
             await self.bus.publish(
-                sj.INVALID,
-                RunConfigInvalid(run_id=run_id, error=verdict.error[:16000]),
+                sj.runs_subject("invalid", tenant),
+                RunConfigInvalid(run_id=run_id, error=verdict.error[:16000], tenant=tenant),
                 msg_id=f"{run_id}/invalid/submit/{short}",
             )
             return
@@ -353,13 +407,18 @@ class Registry:
             # an orch.toml the scan has not picked up yet: it was there first
             await self._report_conflict(run_id, existing.digest, verdict)
             return
+        records = self.ledger.records.values()
+        refusal = quota_refusal(tenant, verdict.config, self.tenants, records, self.pool.num_free)
+        if refusal is not None:
+            await self._refuse_submit(run_id, tenant, refusal, seq)
+            return
         if existing is None or not existing.ok:
             text = dump_toml(verdict.config.to_dict())
             await asyncio.to_thread(fs.write_config, self.output_dir, run_id, text)
             crash_point("registry.orch_toml", run_id)
         state = fs.inspect_run_dir(self.output_dir, run_id)
         if state is not None:
-            await self._reconcile(state, submit_seq=seq or 1)
+            await self._reconcile(state, submit_seq=seq or 1, tenant=tenant)
             await self.ledger.settle()
 
     async def _report_conflict(self, run_id: str, have: str, verdict: Verdict) -> None:
@@ -370,12 +429,24 @@ class Registry:
             "evict it or choose another run id",
         )
 
-    async def _refuse(self, run_id: str, error: str, **context: str) -> None:
-        """Refuse a request that changes nothing: a ServiceError on plexrl.errors.<service>."""
+    async def _refuse(self, run_id: str | None, error: str, **context: str) -> None:
+        """Refuse a request that changes nothing: a ServiceError on plexrl.errors.<service>.
+
+        A refusal caused by another tenant names no ``run_id``: the owner's clients take a
+        registry error about their run as a rejection of it.
+        """
         log.warning("registry: %s", error)
         await self.bus.report_error(error, run_id=run_id, **context)
 
-    async def _evict_locked(self, run_id: str, reason: str, requested_by: str) -> bool:
+    async def _refuse_submit(self, run_id: str, tenant: str, error: str, seq: int) -> None:
+        """Refuse ``tenant``'s submit: a RunConfigInvalid on the tenant's own invalid subject."""
+        log.warning("registry: refused %s for tenant %s: %s", run_id, tenant, error)
+        # a redelivered submit refuses under the same id; every other refusal is new
+        mid = f"{run_id}/refused/{tenant}/{seq or uuid.uuid4().hex}"
+        event = RunConfigInvalid(run_id=run_id, error=error[:16000], tenant=tenant)
+        await self.bus.publish(sj.runs_subject("invalid", tenant), event, msg_id=mid)
+
+    async def _evict_locked(self, run_id: str, reason: str, requested_by: str, tenant: str) -> bool:
         rec = self.ledger.get(run_id)
         if rec is None or rec.status == "forgotten":
             # it may have appeared since the last scan
@@ -384,6 +455,10 @@ class Registry:
                 await self._reconcile(state)
                 await self.ledger.settle()
                 rec = self.ledger.get(run_id)
+        if (refusal := evict_refusal(rec, tenant)) is not None:
+            by = requested_by or "unknown"
+            await self._refuse(None, refusal, run=run_id, tenant=tenant, requested_by=by)
+            return False
         if rec is not None and rec.status == "evicted":
             log.info("registry: %s is already evicted; ignoring a second request", run_id)
             return True
@@ -397,3 +472,11 @@ class Registry:
             return False
         await self._mark_evicted(rec, reason or "evicted (no reason given)", requested_by)
         return True
+
+
+def _tenant_of(delivery: Delivery) -> str:
+    """The tenant of a request: its subject's tenant token, never a field of the body."""
+    try:
+        return sj.tenant_of_subject(delivery.subject)
+    except ValueError as exc:
+        raise Reject(f"no usable tenant in subject {delivery.subject!r}: {exc}") from None

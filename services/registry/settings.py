@@ -1,8 +1,8 @@
 """The registry's settings: one pydantic model, loaded by :func:`services.config.load_settings`.
 
 Precedence, lowest first: defaults, ``--config FILE`` (TOML), ``PLEXRL_<FIELD>`` environment
-variables (``PLEXRL_OUTPUT_DIR``, ``PLEXRL_MAX_RUNS``, ``PLEXRL_VALIDATION_HOOKS`` as a
-comma-separated list...), then command-line flags.
+variables (``PLEXRL_OUTPUT_DIR``, ``PLEXRL_MAX_RUNS``, ``PLEXRL_TENANTS_FILE``,
+``PLEXRL_VALIDATION_HOOKS`` as a comma-separated list...), then command-line flags.
 """
 
 from __future__ import annotations
@@ -40,10 +40,15 @@ class RegistrySettings(BaseModel):
     max_async_level: int = Field(
         64, ge=0, le=64, description="largest max_async_level a run may ask for"
     )
+    tenants_file: Path | None = Field(
+        None,
+        description="the tenants file (TOML, `plexrl tenants add` writes it): which tenants may "
+        "submit runs and their quotas; unset: only the default tenant, no quotas",
+    )
     consumer_name: Token = Field(
         "registry",
-        description="prefix of the durable consumers on plexrl.runs.submit / .evict; one per "
-        "registry deployment",
+        description="prefix of the durable consumers on plexrl.runs[.<tenant>].submit / .evict; "
+        "one per registry deployment",
     )
     service: Token = Field(
         "registry", description="service name: errors go to plexrl.errors.<service>"

@@ -2,7 +2,8 @@
 
 The registry writes each run's :class:`~schemas.records.RunRecord` (its write side stays in
 :mod:`services.registry.table`); every other service only reads: :func:`read_record` for one
-run, :func:`read_table` for all of them.
+run, :func:`read_table` for all of them. A tenant's credentials cannot read the bucket; a tenant
+asks the registry instead, with :func:`list_runs` (``plexrl.registry.<tenant>.list``).
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from nats.js.errors import KeyDeletedError, KeyNotFoundError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from schemas.codec import DecodeError, decode
+from schemas.events import RunList, RunListRequest, RunRow
 from schemas.records import RunRecord
-from schemas.subjects import KV_REGISTRY
+from schemas.subjects import KV_REGISTRY, registry_list_subject
+from schemas.tenant import DEFAULT_TENANT
 from services.bus import Bus
 from services.runs.kv import bucket
 
@@ -27,6 +30,10 @@ LOAD_TIMEOUT_S = 30.0
 
 class TableUnreadable(RuntimeError):
     """The table could not be read to its end."""
+
+
+class RunListFailed(RuntimeError):
+    """The registry answered a run list request with an error (the message says why)."""
 
 
 async def read_record(bus: Bus, run_id: str) -> RunRecord | None:
@@ -71,6 +78,24 @@ async def read_table(kv: KeyValue, revisions: dict[str, int] | None = None) -> d
     finally:
         await watcher.stop()
     return records
+
+
+async def list_runs(
+    bus: Bus,
+    tenant: str = DEFAULT_TENANT,
+    statuses: tuple[str, ...] = (),
+    timeout: float = 5.0,
+) -> list[RunRow]:
+    """The runs ``tenant`` may see, with their progress, from the registry's list service.
+
+    Raises nats' TimeoutError (or NoRespondersError) when no registry answers, and
+    :class:`RunListFailed` when it answers with an error.
+    """
+    request = RunListRequest(tenant=tenant, statuses=list(statuses))  # type: ignore[arg-type]
+    answer = await bus.request(registry_list_subject(tenant), request, RunList, timeout=timeout)
+    if answer.error is not None:
+        raise RunListFailed(f"the registry could not list the runs: {answer.error}")
+    return answer.runs
 
 
 def _apply(records: dict[str, RunRecord], revisions: dict[str, int], entry: KeyValue.Entry) -> None:

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from schemas.codec import MSGPACK, DecodeError, decode, encode
-from schemas.events import SUPPORTED_VERSIONS, AnyEvent, RolloutBatch, WeightsReady
+from schemas.events import SUPPORTED_VERSIONS, AnyEvent, RolloutBatch, RunDiscovered, WeightsReady
+from schemas.records import Progress, RunRecord
 
 from .vectors import CURRENT_DIR, EVENTS, examples, validator, version_dirs
 
@@ -62,3 +63,41 @@ def test_every_example_version_is_supported_and_has_every_event_then_known() -> 
         tags = {p.name for p in vdir.iterdir() if p.is_dir()}
         assert tags <= set(EVENTS), f"v{version} has examples of events this code does not know"
     assert len(examples("valid", all_versions=True)) >= 2 * len(EVENTS)
+
+
+# --- tenants -----------------------------------------------------------------------------------
+
+TENANT_EVENTS = ("run_discovered", "run_config_invalid", "run_evicted", "run_forgotten")
+
+
+@pytest.mark.parametrize("tag", TENANT_EVENTS)
+def test_a_message_written_before_tenants_existed_belongs_to_the_default_tenant(tag: str) -> None:
+    found = 0
+    for example in examples("valid", all_versions=True):
+        if example.tag != tag or example.data.get("tenant") != "default":
+            continue
+        doc = example.data
+        del doc["tenant"]  # what a publisher wrote before the field existed
+        raw = json.dumps(doc).encode()
+        event = decode(raw, AnyEvent)
+        assert event.tenant == "default"  # type: ignore[union-attr]
+        assert event == decode(example.raw, EVENTS[tag])
+        assert list(validator(tag).iter_errors(doc)) == []
+        found += 1
+    assert found >= 2
+
+
+def test_a_run_record_and_progress_written_before_tenants_belong_to_the_default_tenant() -> None:
+    old_record = b'{"run_id":"run_a","status":"active","idx":2,"config_digest":"","transition":3}'
+    record = decode(old_record, RunRecord)
+    assert (record.tenant, record.idx, record.transition) == ("default", 2, 3)
+    progress = decode(b'{"step":3,"total_tokens":10,"total_samples":4}', Progress)
+    assert (progress.tenant, progress.step) == ("default", 3)
+
+
+def test_a_tenant_run_keeps_its_tenant_through_both_encodings() -> None:
+    doc = json.loads((CURRENT_DIR / "run_discovered" / "valid_3.json").read_text())
+    assert doc["tenant"] == "team-a"
+    event = decode(json.dumps(doc).encode(), AnyEvent)
+    assert isinstance(event, RunDiscovered) and event.tenant == "team-a"
+    assert decode(encode(event, "msgpack"), AnyEvent, content_type_header=MSGPACK) == event

@@ -68,7 +68,8 @@ def test_the_full_example_sets_every_key_away_from_its_default() -> None:
         return out
 
     same = [k for k, v in leaves(full).items() if leaves(default)[k] == v]
-    assert same == []
+    # top_p admits only its default, 1, until the trainer scores tokens under the same nucleus.
+    assert same == ["sampling.top_p"]
 
 
 @pytest.mark.parametrize("path", INVALID, ids=lambda p: p.name)

@@ -54,8 +54,8 @@ def test_generated_files_are_one_schema_per_event_plus_config_and_asyncapi() -> 
     expected = {f"json/{tag}.json" for tag in TAGS} | {"json/orch_config.json", "asyncapi.yaml"}
     expected |= {f"json/{name}.json" for name in ALL_RECORDS}
     assert set(files) == expected
-    assert len(ALL_EVENTS) == 12
-    assert len(TAGS) == len(ALL_EVENTS) + len(COLLECTIVE_MESSAGES) == 18
+    assert len(ALL_EVENTS) == 14
+    assert len(TAGS) == len(ALL_EVENTS) + len(COLLECTIVE_MESSAGES) == 20
 
 
 def test_committed_files_equal_generated(tmp_path: Path) -> None:
@@ -159,6 +159,7 @@ def test_orch_config_schema_forbids_unknown_keys_everywhere() -> None:
     assert sorted(schema["$defs"]) == [
         "AdvantageConfig",
         "CkptConfig",
+        "EvalConfig",
         "LoraConfig",
         "LossConfig",
         "ModelConfig",
@@ -183,6 +184,7 @@ DESIGN_TABLE = {
     "plexrl.rollouts.{run_id}": ("PLEXRL_ROLLOUTS", ["rollout_batch"]),
     "plexrl.weights.{run_id}": ("PLEXRL_WEIGHTS", ["weights_ready"]),
     "plexrl.inference.generate": (None, ["generate_request"]),
+    "plexrl.registry.list": (None, ["run_list_request"]),
     "plexrl.errors.{service}": ("PLEXRL_ERRORS", ["invalid_message", "service_error"]),
     "plexrl.collective.{group}.join": (None, ["collective_join"]),
     "plexrl.collective.{group}.leave": (None, ["collective_leave"]),

@@ -97,5 +97,6 @@ test('asyncapi.yaml is a valid AsyncAPI 3 document', async () => {
   const addresses = document.channels().all().map((c) => c.address()).filter(Boolean).sort();
   assert.ok(addresses.includes('plexrl.rollouts.{run_id}'));
   assert.ok(addresses.includes('plexrl.inference.generate'));
-  assert.equal(document.operations().all().length, 28);
+  assert.ok(addresses.includes('plexrl.registry.list'));
+  assert.equal(document.operations().all().length, 30);
 });

@@ -73,6 +73,11 @@ def test_registry_settings_errors_exit_2(
     argv = ["registry", "--output-dir", str(tmp_path), "--validation-hook", "nope_mod:check"]
     assert main(argv) == 2
     assert "cannot import 'nope_mod'" in capsys.readouterr().err
+    bad = tmp_path / "tenants.toml"
+    bad.write_text("[tenants.team-a]\nmax_lora_rank = 0\n")
+    assert main(["registry", "--output-dir", str(tmp_path), "--tenants-file", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "tenants.team-a.max_lora_rank" in err
 
 
 async def test_submit_wait_runs_and_evict_against_a_registry(
@@ -105,6 +110,7 @@ async def test_submit_wait_runs_and_evict_against_a_registry(
     [row] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert row == {
         "run_id": "run_cli",
+        "tenant": "default",
         "idx": 0,
         "status": "active",
         "step": 4,
@@ -126,3 +132,51 @@ async def test_submit_wait_runs_and_evict_against_a_registry(
 async def _status(bus: Bus, run_id: str, status: str) -> bool:
     records = await table(bus)
     return run_id in records and records[run_id].status == status
+
+
+async def test_a_tenant_submits_lists_and_evicts_through_its_own_subjects(
+    make_registry: RegistryFactory,
+    server: EmbeddedNats,
+    rbus: Bus,
+    tmp_path: Path,
+    out: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from schemas.events import RunDiscovered
+    from services.config.tenants import TenantQuota, TenantsFile, save_tenants
+
+    from .helpers import events_on, write_orch
+
+    tenants = tmp_path / "tenants.toml"
+    save_tenants(tenants, TenantsFile(tenants={"team-a": TenantQuota(max_lora_rank=8)}))
+    write_orch(out, "run_operator")
+    await make_registry(tenants_file=tenants)
+    monkeypatch.setenv("PLEXRL_TENANT", "team-a")
+    nats = ["--nats-url", server.url]
+
+    def cli(*argv: str) -> asyncio.Future[int]:
+        return asyncio.ensure_future(asyncio.to_thread(main, [*argv, *nats]))
+
+    assert await cli("submit", "run_t", str(_config(tmp_path)), "--wait", "10") == 0
+    assert "run_t is running with index 1" in capsys.readouterr().out
+    [event] = await events_on(rbus, "plexrl.runs.team-a.discovered", RunDiscovered)
+    assert (event.run_id, event.tenant) == ("run_t", "team-a")
+
+    big = _config(tmp_path, VALID_TOML.replace("rank = 8", "rank = 16"), "big.toml")
+    assert await cli("submit", "run_big", str(big), "--wait", "10") == 1
+    assert "quota max_lora_rank = 8: the run asks for rank 16" in capsys.readouterr().err
+
+    assert await cli("runs", "--json") == 0  # only its own runs, through the list service
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["run_id"], r["tenant"], r["idx"], r["status"]) for r in rows] == [
+        ("run_t", "team-a", 1, "active")
+    ]
+    assert await cli("runs") == 0
+    assert "team-a" in capsys.readouterr().out
+
+    assert await cli("evict", "run_operator", "--reason", "not mine") == 0  # refused
+    assert "note: run_operator is not in the run table" in capsys.readouterr().err
+    assert await cli("evict", "run_t", "--reason", "done") == 0
+    await eventually(lambda: _status(rbus, "run_t", "evicted"))
+    assert (await table(rbus))["run_operator"].status == "active"
