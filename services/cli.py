@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "services.orchestrator.cli",
     "services.registry.client_cli",
     "services.model.cli",
+    "services.tenants.cli",
     "schemas.cli",
 ]
 

@@ -1,6 +1,6 @@
 """The package layering DESIGN.md promises, read from the import statements of the tree.
 
-    schemas  <-  bus, config, telemetry  <-  envs, model, weights, runs, launch
+    schemas  <-  bus, config, telemetry  <-  envs, model, weights, runs, launch, tenants
              <-  registry, trainer, inference, orchestrator  <-  up, the CLI
 
 A package may import its own layer's packages only along the edges listed in
@@ -25,6 +25,7 @@ LAYERS: dict[str, int] = {
     "weights": 2,
     "runs": 2,
     "launch": 2,
+    "tenants": 2,  # credentials and the nats-server config of tenants
     "registry": 3,
     "trainer": 3,
     "inference": 3,

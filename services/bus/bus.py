@@ -1,19 +1,27 @@
 """A service's connection to NATS: typed publish, request/reply and error reports.
 
 ``Bus.connect`` reconnects forever once connected (a restarted server is picked up again) and
-fails fast, with a clear :class:`BusUnavailable`, when no server answers at start-up.
+fails fast, with a clear :class:`BusUnavailable`, when no server answers at start-up, when the
+server refuses the credentials, or when its TLS certificate cannot be verified.
+
+Credentials and TLS come from the process settings: ``PLEXRL_NATS_CREDS`` (an nkey seed file
+of ``plexrl tenants add``, or a ``.creds`` file), ``PLEXRL_TLS_CA`` / ``PLEXRL_TLS_CERT`` /
+``PLEXRL_TLS_KEY``; a client acting for a tenant (``PLEXRL_TENANT``) uses that tenant's inbox
+prefix, the only reply subjects its credentials may subscribe to.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
+from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 import msgspec
-import nats
+import nkeys
 from nats.aio.client import Client as NATS
 from nats.errors import ConnectionClosedError, NoRespondersError, NoServersError
 from nats.errors import TimeoutError as NatsTimeout
@@ -24,10 +32,11 @@ from opentelemetry.trace import SpanKind
 from schemas.codec import Format, content_type, decode, encode
 from schemas.events import InvalidMessage, ServiceError
 from schemas.subjects import errors_subject
+from schemas.tenant import DEFAULT_TENANT, inbox_prefix
 from services.bus import tracing
 from services.bus.errors import BusUnavailable, PayloadTooLarge
 from services.bus.provision import provision
-from services.config import process_settings
+from services.config import ProcessSettings, process_settings
 from services.telemetry.metrics import record_invalid
 
 log = logging.getLogger(__name__)
@@ -47,6 +56,94 @@ async def _any_reachable(servers: list[str], timeout: float) -> bool:
         writer.close()
         return True
     return False
+
+
+def _credentials(path: Path) -> dict[str, Any]:
+    """``nats.connect`` arguments for an nkey seed file or a ``.creds`` file, checked first so a
+    wrong path or file is a clear error rather than a refused connection."""
+    where = f"NATS credentials {path} (PLEXRL_NATS_CREDS)"
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        raise BusUnavailable(f"{where}: no such file") from None
+    except OSError as exc:
+        raise BusUnavailable(f"{where}: cannot be read: {exc}") from None
+    if "BEGIN NATS USER JWT" in text:
+        return {"user_credentials": str(path)}
+    try:
+        prefix, _ = nkeys.decode_seed(text.strip().encode())
+    except (nkeys.NkeysError, ValueError):
+        prefix = None
+    if prefix != nkeys.PREFIX_BYTE_USER:
+        raise BusUnavailable(
+            f"{where}: neither a user nkey seed (SU..., as `plexrl tenants add` writes) nor a "
+            ".creds file"
+        )
+    return {"nkeys_seed": str(path)}
+
+
+def _tls_context(settings: ProcessSettings) -> ssl.SSLContext | None:
+    """The client's TLS context from PLEXRL_TLS_CA / _CERT / _KEY; None when none is set."""
+    ca, cert, key = settings.tls_ca, settings.tls_cert, settings.tls_key
+    if ca is None and cert is None and key is None:
+        return None
+    if (cert is None) != (key is None):
+        raise BusUnavailable("TLS: set both PLEXRL_TLS_CERT and PLEXRL_TLS_KEY, or neither")
+    try:
+        context = ssl.create_default_context(cafile=str(ca) if ca is not None else None)
+        if cert is not None and key is not None:
+            context.load_cert_chain(str(cert), str(key))
+    except (OSError, ssl.SSLError) as exc:
+        files = ", ".join(str(p) for p in (ca, cert, key) if p is not None)
+        raise BusUnavailable(f"TLS: cannot use {files}: {exc}") from None
+    return context
+
+
+def connect_options(settings: ProcessSettings) -> dict[str, Any]:
+    """The ``nats.connect`` arguments that say who this process is: credentials, TLS and the
+    tenant's inbox prefix. :class:`BusUnavailable` for a file that cannot be used."""
+    options: dict[str, Any] = {}
+    if settings.nats_creds is not None:
+        options |= _credentials(Path(settings.nats_creds))
+    tls = _tls_context(settings)
+    if tls is not None:
+        options["tls"] = tls
+    if settings.tenant != DEFAULT_TENANT:
+        options["inbox_prefix"] = inbox_prefix(settings.tenant)
+    return options
+
+
+def _refusal(exc: BaseException) -> str | None:
+    """Why the server refused this client for good (credentials, TLS), or None for errors worth
+    retrying (a server of the cluster still starting)."""
+    text = str(exc)
+    if "authorization violation" in text.lower():
+        return "the server refused the credentials (authorization violation)"
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS failed ({exc.__class__.__name__}: {exc})"
+    return None
+
+
+def _advice_for(reason: str, settings: ProcessSettings) -> str:
+    if "credentials" in reason:
+        creds = settings.nats_creds
+        if creds is None:
+            return f"{reason}: it requires credentials; set PLEXRL_NATS_CREDS to a seed file"
+        return (
+            f"{reason} in {creds}: is its public key in the server's config (regenerate it "
+            "with `plexrl nats-config` and reload the server)?"
+        )
+    if "certificate required" in reason.lower() and settings.tls_cert is None:
+        return (
+            f"{reason}: the server asks for a client certificate; set PLEXRL_TLS_CERT and "
+            "PLEXRL_TLS_KEY"
+        )
+    if settings.tls_ca is None:
+        return (
+            f"{reason}: set PLEXRL_TLS_CA to the CA certificate that signed the server's "
+            "certificate"
+        )
+    return f"{reason}; PLEXRL_TLS_CA is {settings.tls_ca}"
 
 
 class Bus:
@@ -73,6 +170,8 @@ class Bus:
     ) -> Bus:
         """Connect to ``url`` (comma-separated for a cluster) and provision streams and buckets."""
         servers = [u.strip() for u in url.split(",") if u.strip()]
+        settings = process_settings()
+        options = connect_options(settings)
         advice = (
             "Start one with `plexrl up` (embedded) or `nats-server -js`, or point --nats-url / "
             "PLEXRL_NATS_URL at a running server."
@@ -84,8 +183,18 @@ class Bus:
                 f"cannot reach NATS at {url}: nothing accepts connections there. {advice}"
             )
 
+        refused: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
         async def _on_error(exc: Exception) -> None:
-            log.debug("%s: NATS connection error: %s", service, exc)
+            reason = _refusal(exc)
+            if reason and not refused.done():
+                refused.set_result(reason)  # read only while the first connect is under way
+            if "permissions violation" in str(exc).lower():
+                log.warning("%s: NATS refused an operation: %s", service, exc)
+            elif reason:
+                log.warning("%s: NATS connection refused: %s", service, reason)
+            else:
+                log.debug("%s: NATS connection error: %s", service, exc)
 
         closing: list[Bus] = []  # filled below; a deliberate close is not worth a warning
 
@@ -96,27 +205,49 @@ class Bus:
         async def _on_reconnect() -> None:
             log.info("%s: reconnected to NATS", service)
 
-        try:
-            connecting = nats.connect(
-                servers,
-                name=f"plexrl-{service}",
-                connect_timeout=connect_timeout,
-                allow_reconnect=True,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.25,
-                error_cb=_on_error,
-                disconnected_cb=_on_disconnect,
-                reconnected_cb=_on_reconnect,
+        nc = NATS()
+        behaviour: dict[str, Any] = {
+            "name": f"plexrl-{service}",
+            "connect_timeout": connect_timeout,
+            "allow_reconnect": True,
+            "max_reconnect_attempts": -1,
+            "reconnect_time_wait": 0.25,
+            "error_cb": _on_error,
+            "disconnected_cb": _on_disconnect,
+            "reconnected_cb": _on_reconnect,
+        }
+        connecting = asyncio.ensure_future(nc.connect(servers, **behaviour, **options))
+        waiting: set[asyncio.Future[Any]] = {connecting, refused}
+        done, _ = await asyncio.wait(
+            waiting, timeout=connect_timeout * 3, return_when=asyncio.FIRST_COMPLETED
+        )
+        if connecting not in done:
+            connecting.cancel()
+            await asyncio.gather(connecting, return_exceptions=True)
+            await nc.close()
+            reason = refused.result() if refused.done() else None
+            if reason is not None:
+                raise BusUnavailable(f"NATS at {url}: {_advice_for(reason, settings)}")
+            raise BusUnavailable(
+                f"cannot reach NATS at {url} (no answer within {connect_timeout * 3:g}s). {advice}"
             )
-            nc = await asyncio.wait_for(connecting, timeout=connect_timeout * 3)
-        except (TimeoutError, NoServersError, OSError) as exc:
+        try:
+            connecting.result()
+        except (NoServersError, OSError) as exc:
             raise BusUnavailable(
                 f"cannot reach NATS at {url} ({exc.__class__.__name__}: {exc}). {advice}"
             ) from None
+        if "tls" in options and not nc._server_info.get("tls_required"):
+            await nc.close()
+            raise BusUnavailable(
+                f"NATS at {url} does not speak TLS, but PLEXRL_TLS_* is set: refusing to send "
+                "credentials and data in the clear"
+            )
         bus = cls(nc, service, fmt)
         closing.append(bus)
-        if provision_streams:
-            await provision(bus.js, replicas=process_settings().stream_replicas)
+        # a tenant's credentials may not create or inspect streams: the services provision them
+        if provision_streams and settings.tenant == DEFAULT_TENANT:
+            await provision(bus.js, replicas=settings.stream_replicas)
         return bus
 
     async def close(self) -> None:

@@ -13,12 +13,21 @@ reported with :meth:`Bus.report_invalid` and skipped. Every message, decoded or 
 :attr:`Follower.seq`, which :meth:`wait_for_seq` and :meth:`wait_until_caught_up` wait on.
 
 A stopped follower started again resumes after the last sequence it saw.
+
+A client of a tenant (``PLEXRL_TENANT`` other than ``default``) may create consumers only
+through the API subject that names the filter (``$JS.API.CONSUMER.CREATE.<stream>.<name>.
+<filter>``: the broker's permissions are written over it), which nats-py uses only for a
+consumer with a name. Such a follower names its consumer, with a fresh name each time nats-py
+recreates it (a reset after a gap or a server restart), since the server refuses to turn an
+existing consumer into one with another start; and it reads the stream's last sequence through
+a one-message consumer (:mod:`services.bus.last`), since direct get is not a tenant's to use.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -26,10 +35,12 @@ from typing import Any, Generic, Literal, TypeVar
 
 from nats.aio.msg import Msg
 from nats.js import api
-from nats.js.errors import NotFoundError
 
 from schemas.codec import DecodeError, decode
+from schemas.tenant import DEFAULT_TENANT
 from services.bus.bus import Bus
+from services.bus.last import last_message
+from services.config import process_settings
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +62,19 @@ class MessageMeta:
 
 OnEvent = Callable[[int, E, MessageMeta], None]
 
+DecodeSubjects = Container[str] | Callable[[str], bool]
+"""The subjects a follower decodes: a set of them, or a predicate on the subject."""
+
 
 class Follower(Generic[E]):
     """Follows ``subject`` (a filter, wildcards allowed) on ``stream``; see the module docstring.
 
-    ``decode_subjects``, if given, limits decoding to those subjects: messages on other subjects
-    of the filter only advance :attr:`seq` (following a whole stream keeps :attr:`seq`
-    comparable with the stream's last sequence while only some subjects matter). Two missed
-    ``heartbeat`` intervals make the consumer start again after :attr:`seq`.
+    ``decode_subjects``, if given, limits decoding to those subjects (a set, or a predicate that
+    accepts a subject): messages on other subjects of the filter only advance :attr:`seq`
+    (following a whole stream keeps :attr:`seq` comparable with the stream's last sequence while
+    only some subjects matter). Two missed ``heartbeat`` intervals make the consumer start again
+    after :attr:`seq`. ``tenant`` is the tenant this client acts for (default: the process
+    settings' ``tenant``); see the module docstring.
     """
 
     def __init__(
@@ -70,8 +86,9 @@ class Follower(Generic[E]):
         on_event: OnEvent[E],
         *,
         start: Start = "all",
-        decode_subjects: Container[str] | None = None,
+        decode_subjects: DecodeSubjects | None = None,
         heartbeat: float = 5.0,
+        tenant: str | None = None,
     ) -> None:
         self.bus = bus
         self.stream = stream
@@ -81,6 +98,7 @@ class Follower(Generic[E]):
         self.start_at: Start = start
         self.decode_subjects = decode_subjects
         self.heartbeat = heartbeat
+        self.tenant = process_settings().tenant if tenant is None else tenant
         self._seq = 0
         self._changed = asyncio.Condition()
         self._sub: Any = None
@@ -103,7 +121,10 @@ class Follower(Generic[E]):
         else:
             config.deliver_policy = api.DeliverPolicy.BY_START_SEQUENCE
             config.opt_start_seq = max(1, int(start))
-        self._sub = await self.bus.js.subscribe(
+        named = self.tenant != DEFAULT_TENANT
+        if named:
+            config.name = _consumer_name()
+        sub = await self.bus.js.subscribe(
             self.subject,
             stream=self.stream,
             cb=self._on_msg,
@@ -111,6 +132,9 @@ class Follower(Generic[E]):
             idle_heartbeat=self.heartbeat,
             config=config,
         )
+        if named:
+            _rename_on_reset(sub)
+        self._sub = sub
 
     async def stop(self) -> None:
         sub, self._sub = self._sub, None
@@ -125,7 +149,7 @@ class Follower(Generic[E]):
         seq = md.sequence.stream
         if seq <= self._seq:
             return  # a consumer reset may deliver a message twice
-        if self.decode_subjects is None or msg.subject in self.decode_subjects:
+        if self._decodes(msg.subject):
             headers = dict(msg.headers or {})
             try:
                 event: E = decode(msg.data, self.event_type, headers.get("Content-Type"))
@@ -135,6 +159,14 @@ class Follower(Generic[E]):
         async with self._changed:
             self._seq = seq
             self._changed.notify_all()
+
+    def _decodes(self, subject: str) -> bool:
+        wanted = self.decode_subjects
+        if wanted is None:
+            return True
+        if callable(wanted):
+            return bool(wanted(subject))
+        return subject in wanted
 
     async def wait(self, predicate: Callable[[], bool], timeout: float | None = None) -> bool:
         """Wait until ``predicate()`` holds, re-checked after each message; False on timeout."""
@@ -157,11 +189,32 @@ class Follower(Generic[E]):
 
     async def last_seq(self) -> int:
         """The sequence of the stream's last message on this follower's subject (0 if none)."""
-        try:
-            return (await self.bus.js.get_last_msg(self.stream, self.subject)).seq or 0
-        except NotFoundError:
-            return 0
+        found = await last_message(self.bus, self.stream, self.subject, tenant=self.tenant)
+        return found.seq if found is not None else 0
 
     async def wait_until_caught_up(self, timeout: float = 10.0) -> None:
         """Wait until everything the stream held on the subject at this call has been received."""
         await self.wait_for_seq(await self.last_seq(), timeout)
+
+
+def _consumer_name() -> str:
+    return f"plexrl_follow_{uuid.uuid4().hex}"
+
+
+def _rename_on_reset(sub: Any) -> None:
+    """Give each consumer nats-py recreates for ``sub`` (an ordered push subscription) a name
+    of its own. nats-py keeps the first request's name, and the server refuses to change an
+    existing consumer's start; the consumer left behind goes away by its inactivity threshold."""
+    jsi = getattr(getattr(sub, "_sub", None), "_jsi", None)
+    recreate = getattr(jsi, "recreate_consumer", None)
+    if jsi is None or recreate is None:
+        raise RuntimeError(
+            "this nats-py has no ordered-consumer state where plexrl expects it "
+            "(JetStreamContext._JSI); a tenant's follower cannot survive a consumer reset"
+        )
+
+    async def recreate_named() -> None:
+        jsi._ccreq.name = _consumer_name()
+        await recreate()
+
+    jsi.recreate_consumer = recreate_named

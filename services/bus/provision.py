@@ -38,6 +38,9 @@ class StreamSpec:
             max_msgs_per_subject=self.max_msgs_per_subject,
             duplicate_window=self.duplicate_window,
             num_replicas=replicas,
+            # a tenant reads the last message of its own subjects through the direct-get API,
+            # whose subject names the message subject, so the broker can permit exactly those
+            allow_direct=True,
         )
 
 
@@ -78,6 +81,7 @@ def _differs(current: api.StreamConfig, wanted: api.StreamConfig) -> bool:
         "max_msgs_per_subject",
         "duplicate_window",
         "num_replicas",
+        "allow_direct",
     ):
         a, b = getattr(current, f), getattr(wanted, f)
         if f == "subjects":
@@ -113,6 +117,7 @@ async def provision(js: JetStreamContext, replicas: int = 1) -> list[str]:
                 max_age=wanted.max_age,
                 max_msgs_per_subject=wanted.max_msgs_per_subject,
                 duplicate_window=wanted.duplicate_window,
+                allow_direct=wanted.allow_direct,
                 num_replicas=max(info.config.num_replicas or 1, replicas),
             )
             await js.update_stream(merged)

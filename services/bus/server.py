@@ -62,7 +62,10 @@ class EmbeddedNats:
     """A ``nats-server -js`` child process bound to loopback.
 
     ``store_dir`` keeps JetStream data; start a second server on the same directory and port to
-    simulate a restart that loses nothing acknowledged.
+    simulate a restart that loses nothing acknowledged. ``extra_config`` is appended to the
+    server's config as it is (an ``authorization`` or ``tls`` block of ``plexrl nats-config``);
+    ``include`` names a file of such blocks that the config includes. Without either, the server
+    accepts every client, as plain TCP.
     """
 
     def __init__(
@@ -71,6 +74,8 @@ class EmbeddedNats:
         port: int | None = None,
         host: str = "127.0.0.1",
         monitor_port: int | None = None,
+        extra_config: str = "",
+        include: str | Path | None = None,
     ) -> None:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if store_dir is None:
@@ -80,6 +85,8 @@ class EmbeddedNats:
         self.host = host
         self.port = port or free_port(host)
         self.monitor_port = monitor_port
+        self.extra_config = extra_config
+        self.include = Path(include).resolve() if include is not None else None
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -91,13 +98,21 @@ class EmbeddedNats:
         conf = self.store_dir / "plexrl-nats.conf"
         # sync_interval "always" flushes every acknowledged write, so a crash loses nothing
         # that a publisher was told is stored.
-        conf.write_text(
+        text = (
             f"max_payload: {MAX_PAYLOAD}\n"
             "jetstream {\n"
             f'  store_dir: "{self.store_dir}"\n'
             "  sync_interval: always\n"
             "}\n"
         )
+        if self.extra_config:
+            text += (
+                self.extra_config if self.extra_config.endswith("\n") else self.extra_config + "\n"
+            )
+        if self.include is not None:
+            # nats-server resolves an include relative to the including file, even an absolute one
+            text += f'include "{os.path.relpath(self.include, self.store_dir)}"\n'
+        conf.write_text(text)
         cmd = [find_nats_server(), "-c", str(conf), "-a", self.host, "-p", str(self.port)]
         if self.monitor_port:
             cmd += ["-m", str(self.monitor_port)]
