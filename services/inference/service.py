@@ -1,7 +1,10 @@
 """The inference service: GenerateRequest in, GenerateResponse out, one adapter per run.
 
-- Requests arrive on ``plexrl.inference.generate`` in queue group ``inference`` (core NATS
-  request/reply), so replicas share them; each reply carries the ``Plexrl-Replica`` header.
+- Requests arrive on ``plexrl.inference.generate`` and on each tenant's
+  ``plexrl.inference.<tenant>.generate``, in queue group ``inference`` (core NATS
+  request/reply), so replicas share them; each reply carries the ``Plexrl-Replica`` header. A
+  request on a tenant's subject for a run of another tenant is answered with an error and
+  reported, and nothing is generated; the default tenant's subject may name any run.
 - A :class:`~services.runs.mirror.RunMirror` keeps the engine's slots in step with the
   registry: a run created gets a fresh adapter (policy version 0, the base model's behaviour), a
   run removed is forgotten.
@@ -37,6 +40,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from schemas import subjects as sj
 from schemas.codec import DecodeError, decode
 from schemas.events import GenerateRequest, GenerateResponse, WeightsReady
+from schemas.tenant import DEFAULT_TENANT
 from services.bus import Bus, tracing
 from services.inference.jobs import Engine, Job, JobResult, LoadInto, SlotChanged
 from services.inference.requests import (
@@ -54,6 +58,11 @@ from services.weights.collective import CollectiveReceiver
 from services.weights.transport import WeightFetcher
 
 log = logging.getLogger(__name__)
+
+
+class WrongTenant(RequestFailed):
+    """A request on a tenant's subject for a run of another tenant."""
+
 
 SYNC_INTERVAL = 0.1
 """Seconds between two applications of the run mirror's buffered lifecycle events."""
@@ -93,6 +102,7 @@ class InferenceService:
             output_dir=output_dir,
             attempts=weight_load_attempts,
             fetchers=fetchers,
+            tenant_of=self.mirror.tenant_of,
         )
         self.served: Counter[str] = Counter()
         """Requests answered with completions, per run."""
@@ -102,10 +112,11 @@ class InferenceService:
         self.installed_at: dict[tuple[str, int], float] = {}
         """``time.monotonic()`` at which each (run, version) became available here."""
         self._unservable: dict[str, str] = {}
-        self._held: dict[str, tuple[WeightsReady, dict[str, str]]] = {}
+        # Announcements for runs not known yet, per run and announcing tenant.
+        self._held: dict[str, dict[str, tuple[WeightsReady, dict[str, str]]]] = {}
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._sub: Any = None
+        self._subs: list[Any] = []
         self._sync_task: asyncio.Task[None] | None = None
         self._stopping = False
         self._tracer = tracing.tracer(f"plexrl.{bus.service}")
@@ -125,12 +136,20 @@ class InferenceService:
             # Joining goes on in the background: the trainer may start after this replica.
             await self.receiver.start()
         await self.follower.start()
-        self._sub = await self.bus.nc.subscribe(
-            sj.GENERATE, queue=sj.INFERENCE_QUEUE_GROUP, cb=self._on_request
-        )
+        for subject in (sj.GENERATE, sj.GENERATE_TENANTS):
+            self._subs.append(
+                await self.bus.nc.subscribe(
+                    subject, queue=sj.INFERENCE_QUEUE_GROUP, cb=self._on_request
+                )
+            )
         # Once the server has the subscription, a request sent after start() finds a responder.
         await self.bus.nc.flush()
-        log.info("inference replica %s serving %s", self.replica_name, sj.GENERATE)
+        log.info(
+            "inference replica %s serving %s and %s",
+            self.replica_name,
+            sj.GENERATE,
+            sj.GENERATE_TENANTS,
+        )
 
     async def stop(self) -> None:
         """Stop taking requests, let those in flight finish (up to the grace period), close.
@@ -140,8 +159,10 @@ class InferenceService:
         """
         self._stopping = True
         self._notify()
-        sub, self._sub = self._sub, None
-        if sub is not None and not self.bus.nc.is_closed:
+        subs, self._subs = self._subs, []
+        for sub in subs:
+            if self.bus.nc.is_closed:
+                break
             try:
                 await sub.unsubscribe()
             except Exception as exc:
@@ -196,9 +217,12 @@ class InferenceService:
             self._spawn(self.bus.report_error(self._unservable[run_id], run_id=run_id, idx=idx))
             return
         self._unservable.pop(run_id, None)
-        held = self._held.pop(run_id, None)
-        if held is not None:
-            self.follower.submit(*held)
+        owner = self.mirror.tenant_of(run_id) or DEFAULT_TENANT
+        for tenant, (event, headers) in self._held.pop(run_id, {}).items():
+            if tenant == owner:
+                self.follower.submit(event, headers, tenant)
+            else:
+                self._spawn(self.follower.refuse(event, tenant))
 
     def _on_run_deleted(self, idx: int, run_id: str) -> None:
         self.engine.remove_run(idx, run_id)
@@ -219,13 +243,15 @@ class InferenceService:
 
     # --- weights -----------------------------------------------------------------------------
 
-    def _wants(self, event: WeightsReady, headers: dict[str, str]) -> bool:
+    def _wants(self, event: WeightsReady, headers: dict[str, str], tenant: str) -> bool:
         slot = self.mirror.idx_of(event.run_id)
         if slot is None:
-            # Held with its headers, so the load joins the publisher's trace when it happens.
-            held = self._held.get(event.run_id)
+            # Held with its headers, so the load joins the publisher's trace when it happens;
+            # one per announcing tenant, as only the run's own counts once it is known.
+            by_tenant = self._held.setdefault(event.run_id, {})
+            held = by_tenant.get(tenant)
             if held is None or held[0].step < event.step:
-                self._held[event.run_id] = (event, headers)
+                by_tenant[tenant] = (event, headers)
             return False
         if event.run_id in self._unservable:
             return False
@@ -255,7 +281,8 @@ class InferenceService:
         self.installed_at[(event.run_id, event.step)] = now = time.monotonic()
         published = self.follower.published_at.get((event.run_id, event.step))
         if published is not None:
-            record_weight_sync(event.run_id, now - published)
+            tenant = self.mirror.tenant_of(event.run_id) or DEFAULT_TENANT
+            record_weight_sync(event.run_id, now - published, tenant=tenant)
 
     # --- requests ----------------------------------------------------------------------------
 
@@ -269,6 +296,8 @@ class InferenceService:
         self._spawn(self._serve(msg))
 
     async def _serve(self, msg: Msg) -> None:
+        loop = asyncio.get_running_loop()
+        received = loop.time()
         headers = dict(msg.headers or {})
         with self._tracer.start_as_current_span(
             "generate",
@@ -276,24 +305,39 @@ class InferenceService:
             kind=SpanKind.SERVER,
             attributes={"messaging.destination": msg.subject, "replica": self.replica_name},
         ) as span:
-            response = await self._answer(msg.data, headers, span)
-            record_request_served(response.run_id, ok=response.error is None)
+            response = await self._answer(msg.subject, msg.data, headers, span)
+            tokens = sum(len(c.token_ids) for group in response.completions for c in group)
+            record_request_served(
+                response.run_id,
+                ok=response.error is None,
+                tenant=self.mirror.tenant_of(response.run_id) or sj.tenant_of_subject(msg.subject),
+                seconds=loop.time() - received,
+                tokens=tokens,
+            )
             if response.error is not None:
                 self.errors += 1
                 span.set_status(Status(StatusCode.ERROR, response.error))
             await self._reply(msg, response, headers)
 
-    async def _answer(self, data: bytes, headers: dict[str, str], span: Span) -> GenerateResponse:
+    async def _answer(
+        self, subject: str, data: bytes, headers: dict[str, str], span: Span
+    ) -> GenerateResponse:
         try:
             req: GenerateRequest = decode(data, GenerateRequest, headers.get("Content-Type"))
             check_request(req, self.engine.vocab_size, self.engine.max_model_len)
         except (DecodeError, RequestFailed) as exc:
-            await self.bus.report_invalid(sj.GENERATE, str(exc), data)
+            await self.bus.report_invalid(subject, str(exc), data)
             return failure(salvage_id(data), "", f"invalid GenerateRequest: {exc}")
+        tenant = sj.tenant_of_subject(subject)  # the queue subscriptions take only legal ones
         span.set_attribute("run_id", req.run_id)
         span.set_attribute("request_id", req.request_id)
+        span.set_attribute("tenant", tenant)
         try:
-            slot, result = await self._generate(req)
+            slot, result = await self._generate(req, tenant)
+        except WrongTenant as exc:
+            log.warning("refused a generate request on %s: %s", subject, exc)
+            await self.bus.report_invalid(subject, str(exc), data)
+            return failure(req.request_id, req.run_id, str(exc))
         except RequestFailed as exc:
             return failure(req.request_id, req.run_id, str(exc))
         except Exception as exc:  # a failing batch answers its requests, it never kills us
@@ -310,7 +354,7 @@ class InferenceService:
             completions=result.completions,
         )
 
-    async def _generate(self, req: GenerateRequest) -> tuple[int, JobResult]:
+    async def _generate(self, req: GenerateRequest, tenant: str) -> tuple[int, JobResult]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + req.timeout_s
         seed = request_seed(req.seed)
@@ -327,6 +371,9 @@ class InferenceService:
                     f"unknown run {req.run_id}: no run with this id is registered here (submit "
                     "it first, or check that it was not evicted)"
                 )
+            owner = self.mirror.tenant_of(req.run_id)
+            if tenant != DEFAULT_TENANT and owner != tenant:
+                raise WrongTenant(f"{req.run_id} does not belong to tenant {tenant}")
             if req.run_id in self._unservable:
                 raise RequestFailed(self._unservable[req.run_id])
             full = self.engine.full_weights

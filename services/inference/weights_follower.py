@@ -5,6 +5,11 @@ its own :class:`~services.bus.Follower` (an ordered consumer: ephemeral, unackno
 flow-controlled), starting from the last message of every subject: a fresh replica catches up on
 each run's newest WeightsReady at once and then follows new ones.
 
+A run of tenant ``t`` is announced on ``plexrl.weights.<t>.<run_id>`` and its adapter is read
+from ``t``'s object store. An announcement whose subject's tenant is not the run's
+(``tenant_of``) is refused and reported as InvalidMessage; while the run is unknown, ``wanted``
+gets the subject's tenant to hold it under.
+
 Per run, the newest announcement waiting wins: while one adapter loads, later ones of the same
 run replace each other, so a replica that falls behind skips versions instead of replaying them.
 Runs load in parallel, each in its own task.
@@ -35,8 +40,9 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from torch import Tensor
 
 from schemas import subjects as sj
-from schemas.codec import DecodeError
+from schemas.codec import DecodeError, encode
 from schemas.events import WeightsReady
+from schemas.tenant import DEFAULT_TENANT
 from services.bus import Bus, Follower, MessageMeta, tracing
 from services.inference.jobs import LoadInto
 from services.weights.loader import WeightsError, load_weights
@@ -45,33 +51,39 @@ from services.weights.transport import WeightFetcher
 log = logging.getLogger(__name__)
 
 Install = Callable[[WeightsReady, dict[str, Any]], Awaitable[None]]
+Wanted = Callable[[WeightsReady, dict[str, str], str], bool]
+"""``wanted(event, headers, tenant)``: load it? ``tenant`` is the one its subject names."""
 InstallFull = Callable[[WeightsReady, LoadInto], Awaitable[None]]
 
 
 class WeightsFollower:
-    """Loads each announced adapter that ``wanted(event, headers)`` accepts, hands it to ``install``.
+    """Loads each announced adapter that ``wanted(event, headers, tenant)`` accepts, hands it to
+    ``install``.
 
     ``wanted`` decides without I/O (is the run known here, is the version newer); ``install``
     may raise ValueError for tensors that do not fit, which counts as a failed attempt.
     ``install_full`` installs full weights through the loader it is given (see the module
     docstring); without it they are refused as a failed attempt. ``fetchers`` receive the
     direct transports they name (a collective group joined at start-up); see
-    :func:`~services.weights.loader.load_weights`.
+    :func:`~services.weights.loader.load_weights`. ``tenant_of(run_id)`` is the tenant of a
+    run this replica knows, None otherwise.
     """
 
     def __init__(
         self,
         bus: Bus,
         *,
-        wanted: Callable[[WeightsReady, dict[str, str]], bool],
+        wanted: Wanted,
         install: Install,
         install_full: InstallFull | None = None,
         output_dir: Path | None = None,
         attempts: int = 2,
         retry_delay: float = 0.2,
         fetchers: Mapping[str, WeightFetcher] | None = None,
+        tenant_of: Callable[[str], str | None] = lambda run_id: None,
     ) -> None:
         self.bus = bus
+        self.tenant_of = tenant_of
         self.fetchers = dict(fetchers or {})
         self.wanted = wanted
         self.install = install
@@ -83,11 +95,13 @@ class WeightsFollower:
         """Load attempts per (run_id, step), for metrics and tests."""
         self.failed: Counter[str] = Counter()
         """Adapters given up per run."""
+        self.num_wrong_tenant = 0
+        """Announcements refused because their subject's tenant is not the run's."""
         self.received_at: dict[tuple[str, int], float] = {}
         """``time.monotonic()`` at which each (run_id, step) announcement arrived."""
         self.published_at: dict[tuple[str, int], float] = {}
         """``time.monotonic()`` at which the stream stored each announcement (its publish)."""
-        self._mailbox: dict[str, tuple[WeightsReady, dict[str, str]]] = {}
+        self._mailbox: dict[str, tuple[WeightsReady, dict[str, str], str]] = {}
         self._workers: dict[str, asyncio.Task[None]] = {}
         self._follower = Follower(
             bus,
@@ -110,9 +124,17 @@ class WeightsFollower:
         await asyncio.gather(*workers, return_exceptions=True)
 
     def _on_event(self, seq: int, event: WeightsReady, meta: MessageMeta) -> None:
-        if sj.weights_subject(event.run_id) != meta.subject:
-            # The follower reports it as invalid and skips it.
+        # The follower reports a DecodeError as invalid and skips the message.
+        try:
+            tenant, run_id = sj.per_run_subject(meta.subject)
+        except ValueError as exc:
+            raise DecodeError(f"a WeightsReady arrived on {meta.subject}: {exc}") from None
+        if run_id != event.run_id:
             raise DecodeError(f"a WeightsReady for {event.run_id} arrived on {meta.subject}")
+        wrong = self._wrong_tenant(event, tenant)
+        if wrong is not None:
+            self.num_wrong_tenant += 1
+            raise DecodeError(wrong)
         if len(self.received_at) >= 4096:  # a bounded record: forget the oldest half
             for key in list(self.received_at)[:2048]:
                 del self.received_at[key]
@@ -122,13 +144,41 @@ class WeightsFollower:
         # server's wall clock and ours are the same machine's, or NTP-close).
         age = time.time() - meta.time.timestamp()
         self.published_at[(event.run_id, event.step)] = now - max(0.0, age)
-        self.submit(event, dict(meta.headers))
+        self.submit(event, dict(meta.headers), tenant)
 
-    def submit(self, event: WeightsReady, headers: dict[str, str] | None = None) -> None:
-        """Queue ``event`` for loading (also used to replay one held back for an unknown run)."""
+    def _wrong_tenant(self, event: WeightsReady, tenant: str) -> str | None:
+        """Why an announcement of ``tenant`` for ``event.run_id`` is refused, or None."""
+        owner = self.tenant_of(event.run_id)
+        if owner is None or owner == tenant:
+            return None
+        return (
+            f"tenant {tenant!r} announced weights (step {event.step}) of {event.run_id}, which "
+            f"belongs to tenant {owner!r}: refused"
+        )
+
+    async def refuse(self, event: WeightsReady, tenant: str) -> None:
+        """Report an announcement by ``tenant`` of another tenant's run, and count it."""
+        self.num_wrong_tenant += 1
+        owner = self.tenant_of(event.run_id)
+        why = self._wrong_tenant(event, tenant) or (
+            f"tenant {tenant!r} announced weights (step {event.step}) of {event.run_id}, which "
+            f"belongs to tenant {owner!r}: refused"
+        )
+        log.warning("%s", why)
+        subject = sj.tenant_weights_subject(event.run_id, tenant)
+        await self.bus.report_invalid(subject, why, encode(event))
+
+    def submit(
+        self,
+        event: WeightsReady,
+        headers: dict[str, str] | None = None,
+        tenant: str = DEFAULT_TENANT,
+    ) -> None:
+        """Queue ``event``, announced on ``tenant``'s subject, for loading (also used to replay
+        one held back for an unknown run)."""
         waiting = self._mailbox.get(event.run_id)
         if waiting is None or waiting[0].step < event.step:
-            self._mailbox[event.run_id] = (event, dict(headers or {}))
+            self._mailbox[event.run_id] = (event, dict(headers or {}), tenant)
         if event.run_id not in self._workers:
             self._workers[event.run_id] = asyncio.create_task(
                 self._drain(event.run_id), name=f"weights-{event.run_id}"
@@ -142,13 +192,15 @@ class WeightsFollower:
     async def _drain(self, run_id: str) -> None:
         try:
             while run_id in self._mailbox:
-                event, headers = self._mailbox.pop(run_id)
-                if self.wanted(event, headers):
-                    await self._load(event, headers)
+                event, headers, tenant = self._mailbox.pop(run_id)
+                if self._wrong_tenant(event, tenant) is not None:
+                    await self.refuse(event, tenant)  # held while the run was unknown
+                elif self.wanted(event, headers, tenant):
+                    await self._load(event, headers, tenant)
         finally:
             del self._workers[run_id]
 
-    async def _load(self, event: WeightsReady, headers: dict[str, str]) -> None:
+    async def _load(self, event: WeightsReady, headers: dict[str, str], tenant: str) -> None:
         with self._tracer.start_as_current_span(
             "weights load",
             context=tracing.extract(headers),
@@ -166,10 +218,10 @@ class WeightsFollower:
                 self.tries[(event.run_id, event.step)] += 1
                 try:
                     if event.is_full:
-                        await self._install_full(event)
+                        await self._install_full(event, tenant)
                     else:
                         tensors = await load_weights(
-                            self.bus, event, self.output_dir, fetchers=self.fetchers
+                            self.bus, event, self.output_dir, fetchers=self.fetchers, tenant=tenant
                         )
                         await self.install(event, tensors)
                     return
@@ -201,7 +253,7 @@ class WeightsFollower:
                 touched=touched,
             )
 
-    async def _install_full(self, event: WeightsReady) -> None:
+    async def _install_full(self, event: WeightsReady, tenant: str) -> None:
         if self.install_full is None:
             raise ValueError(
                 f"full weights of {event.run_id} at step {event.step}: this replica does not "
@@ -210,7 +262,12 @@ class WeightsFollower:
 
         async def load(destination: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
             return await load_weights(
-                self.bus, event, self.output_dir, fetchers=self.fetchers, destination=destination
+                self.bus,
+                event,
+                self.output_dir,
+                fetchers=self.fetchers,
+                destination=destination,
+                tenant=tenant,
             )
 
         await self.install_full(event, load)

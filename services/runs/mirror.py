@@ -15,6 +15,11 @@ A mirror shared by several ranks is handed ``broadcast``, which returns the main
 every rank (a collective: every rank calls it at the same point): the main rank picks the stream
 sequence to apply up to, and every other rank first waits until its own buffer has reached that
 sequence, so all ranks apply exactly the same events.
+
+Lifecycle events of the default tenant's runs arrive on ``plexrl.runs.<kind>``, those of tenant
+``t`` on ``plexrl.runs.<t>.<kind>``; the mirror decodes both and keeps each run's tenant
+(:meth:`RunMirror.tenant_of`). An event whose ``tenant`` is not the one its subject names is
+reported and skipped.
 """
 
 from __future__ import annotations
@@ -26,14 +31,28 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from schemas import subjects as sj
+from schemas.codec import DecodeError
 from schemas.config import ConfigError, OrchConfig, orch_config_from_dict
 from schemas.events import EvictRequested, RunDiscovered, RunEvicted, RunForgotten
+from schemas.tenant import DEFAULT_TENANT
 from services.bus import Bus, Follower, MessageMeta
 
 log = logging.getLogger(__name__)
 
 Lifecycle = RunDiscovered | RunEvicted | RunForgotten
-_LIFECYCLE_SUBJECTS = frozenset({sj.DISCOVERED, sj.EVICTED, sj.FORGOTTEN})
+_LIFECYCLE_KINDS = frozenset({"discovered", "evicted", "forgotten"})
+
+
+def is_lifecycle_subject(subject: str) -> bool:
+    """``plexrl.runs[.<tenant>].discovered|evicted|forgotten``."""
+    tokens = subject.split(".")
+    if len(tokens) not in (3, 4) or tokens[-1] not in _LIFECYCLE_KINDS:
+        return False
+    try:
+        sj.tenant_of_subject(subject)
+    except ValueError:
+        return False
+    return tokens[:2] == ["plexrl", "runs"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +63,7 @@ class RunInfo:
     idx: int
     config: OrchConfig
     config_digest: str
+    tenant: str = DEFAULT_TENANT
 
 
 @dataclass(frozen=True)
@@ -82,7 +102,7 @@ class RunMirror:
             sj.RUNS_WILDCARD,
             Lifecycle,
             self._on_event,
-            decode_subjects=_LIFECYCLE_SUBJECTS,
+            decode_subjects=is_lifecycle_subject,
         )
         self._slots: dict[int, _Slot] = {}
         self._idx_by_id: dict[str, int] = {}
@@ -100,6 +120,13 @@ class RunMirror:
         await self._follower.stop()
 
     def _on_event(self, seq: int, event: Lifecycle, meta: MessageMeta) -> None:
+        subject_tenant = sj.tenant_of_subject(meta.subject)
+        if event.tenant != subject_tenant:
+            # The follower reports it as invalid and skips it.
+            raise DecodeError(
+                f"{type(event).__name__} of {event.run_id} names tenant {event.tenant!r} but "
+                f"arrived on {meta.subject} (tenant {subject_tenant!r})"
+            )
         self._buffer.append((seq, event))
 
     async def wait_until_caught_up(self, timeout: float = 10.0) -> None:
@@ -179,7 +206,12 @@ class RunMirror:
                         continue
                     digest = config.digest()
                     held = self._slots.get(idx)
-                    if held and (held.info.run_id, held.info.config_digest) == (run_id, digest):
+                    same = (
+                        (held.info.run_id, held.info.config_digest, held.info.tenant)
+                        if held
+                        else None
+                    )
+                    if same == (run_id, digest, event.tenant):
                         continue  # the same announcement again
                     # The registry never does this; a mirror must still hold each run and
                     # index at most once.
@@ -188,7 +220,8 @@ class RunMirror:
                     for other, slot in list(self._slots.items()):
                         if slot.info.run_id == run_id:
                             remove(other)
-                    new = _Slot(RunInfo(run_id, idx, config, digest), next(self._incarnations))
+                    info = RunInfo(run_id, idx, config, digest, event.tenant)
+                    new = _Slot(info, next(self._incarnations))
                     self._slots[idx] = new
                     created.append(new)
                 case RunEvicted(run_id=run_id, idx=idx) | RunForgotten(run_id=run_id, idx=idx):
@@ -206,6 +239,12 @@ class RunMirror:
 
     def idx_of(self, run_id: str) -> int | None:
         return self._idx_by_id.get(run_id)
+
+    def tenant_of(self, run_id: str) -> str | None:
+        """The tenant of ``run_id`` in the applied state, None for a run this mirror lacks."""
+        idx = self._idx_by_id.get(run_id)
+        slot = self._slots.get(idx) if idx is not None else None
+        return slot.info.tenant if slot else None
 
     def run_id_of(self, idx: int) -> str | None:
         slot = self._slots.get(idx)

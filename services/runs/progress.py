@@ -17,13 +17,18 @@ from schemas.codec import decode, encode
 from schemas.records import Progress
 from schemas.run_id import validate_run_id
 from schemas.subjects import KV_PROGRESS
+from schemas.tenant import validate_tenant
 from services.bus import Bus
 from services.runs.kv import bucket
 
 
 async def write_progress(bus: Bus, run_id: str, progress: Progress) -> int:
-    """Store ``progress`` as ``run_id``'s latest, stamped with the time. Returns the revision."""
+    """Store ``progress`` as ``run_id``'s latest, stamped with the time. Returns the revision.
+
+    ``progress.tenant`` names the run's owner; an illegal name raises
+    :class:`~schemas.tenant.InvalidTenant` and writes nothing."""
     validate_run_id(run_id)
+    validate_tenant(progress.tenant)
     kv = await bucket(bus, KV_PROGRESS)
     return await kv.put(run_id, encode(msgspec.structs.replace(progress, updated_at=time.time())))
 

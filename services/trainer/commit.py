@@ -99,8 +99,11 @@ class Committer:
         """Commit and announce ``state``'s step ``result.step`` (already applied to ``state``)."""
         record_trainer_step(
             state.run_id,
+            tenant=state.tenant,
             seconds=(max(end for _, end in phases.values()) - phases["pack"][0]) / 1e9,
             tokens=result.num_tokens,
+            samples=result.num_samples,
+            queue_wait=_queue_wait(held, phases["pack"][0]),
         )
         run_id, step = state.run_id, result.step
         span = self._tracer.start_span(
@@ -168,6 +171,7 @@ class Committer:
             state.lora_spec,
             base_model_path=self.base_model_path,
             kind=self.kind,
+            tenant=state.tenant,
         )
 
     async def _checkpoint(self, state: RunState) -> None:
@@ -244,6 +248,16 @@ class Committer:
             "resumed" if state.resumed_from is not None else "starts",
             state.progress.step,
         )
+
+
+def _queue_wait(held: Held, start_ns: int) -> float | None:
+    """Seconds from the batch being stored on the stream to the start of the step that trained
+    it (None for a message without JetStream metadata)."""
+    try:
+        stored = held.delivery.msg.metadata.timestamp
+    except (AttributeError, ValueError, IndexError):
+        return None
+    return start_ns / 1e9 - stored.timestamp()
 
 
 def _record(state: RunState, result: RunResult, held: Held, kind: str) -> dict[str, Any]:

@@ -21,6 +21,13 @@ for ``unknown_run_hold`` seconds, as the run's RunDiscovered may still be on its
 handed back to the server (nak with a delay). A run the trainer is evicting has its batches
 acked and dropped. Two messages for one run and step (a republish outside the deduplication
 window) keep the first; the second is acked.
+
+Tenants: a batch of a default-tenant run comes on ``plexrl.rollouts.<run_id>``, one of tenant
+``t``'s runs on ``plexrl.rollouts.<t>.<run_id>``; the broker lets ``t`` publish only there. A
+batch whose subject's tenant is not the run's (``tenant_of``, the run mirror) is terminated,
+reported as InvalidMessage naming the sending tenant and the run, and counted; the run it names
+is not touched. While the run is not known yet, batches of one step sent by different tenants
+are all held, and sorted out once its tenant is known.
 """
 
 from __future__ import annotations
@@ -29,13 +36,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
 from schemas.events import RolloutBatch
 from schemas.records import GONE_STATUSES, RunStatus
-from schemas.subjects import run_id_from_subject
+from schemas.subjects import per_run_subject
+from schemas.tenant import DEFAULT_TENANT
 from services.bus import Bus, Consumer, Delivery
 from services.runs.table import read_record
 
@@ -74,6 +82,14 @@ class Held:
     batch: RolloutBatch
     delivery: Delivery
     first_seen: float = field(default_factory=time.monotonic)
+    tenant: str = DEFAULT_TENANT
+    """the tenant whose subject the batch came on (the broker vouches for it)"""
+    rivals: list[Held] = field(default_factory=list)
+    """batches of the same run and step from other tenants, while the run's tenant is unknown"""
+
+    def all(self) -> Iterator[Held]:
+        yield self
+        yield from self.rivals
 
 
 @dataclass
@@ -93,8 +109,11 @@ class Intake:
         consumer: Consumer[RolloutBatch],
         *,
         unknown_run_hold: float = 5.0,
+        tenant_of: Callable[[str], str | None] = lambda run_id: None,
     ) -> None:
         self.bus = bus
+        self.tenant_of = tenant_of
+        """the tenant of a run the trainer holds, None for a run it does not know (yet)"""
         self.consumer = consumer
         self.unknown_run_hold = unknown_run_hold
         self.pending: dict[str, dict[int, Held]] = {}
@@ -105,6 +124,8 @@ class Intake:
         """redelivered batches of checkpointed steps, acked and skipped"""
         self.num_dropped = 0
         """batches of evicted or forgotten runs, acked and dropped"""
+        self.num_wrong_tenant = 0
+        """batches sent on another tenant's subject than their run's, terminated and reported"""
         self._status_cache: dict[str, tuple[float, RunStatus | None]] = {}
 
     # --- feeding -------------------------------------------------------------------------------
@@ -126,28 +147,41 @@ class Intake:
 
     async def add(self, batch: RolloutBatch, delivery: Delivery) -> None:
         try:
-            subject_run = run_id_from_subject(delivery.subject)
+            tenant, subject_run = per_run_subject(delivery.subject)
         except ValueError:
-            subject_run = None
+            tenant, subject_run = DEFAULT_TENANT, None
         if subject_run != batch.run_id:
             await delivery.term()
             await self.bus.report_invalid(
                 delivery.subject,
                 f"RolloutBatch of {batch.run_id} published on {delivery.subject}: a run's batches "
-                f"go to plexrl.rollouts.{batch.run_id}",
+                f"go to plexrl.rollouts[.<tenant>].{batch.run_id}",
                 delivery.msg.data,
             )
+            return
+        fresh = Held(batch, delivery, tenant=tenant)
+        owner = self.tenant_of(batch.run_id)
+        if owner is not None and owner != tenant:
+            await self._refuse(fresh, owner)
             return
         steps = self.pending.setdefault(batch.run_id, {})
         held = steps.get(batch.step)
         if held is None:
-            steps[batch.step] = Held(batch, delivery)
+            steps[batch.step] = fresh
         elif held.delivery.stream_sequence == delivery.stream_sequence:
             held.delivery = delivery  # the same message redelivered: the newest delivery acks it
+        elif held.tenant != tenant or held.rivals:
+            rival = next((r for r in held.rivals if r.tenant == tenant), None)
+            if rival is None and held.tenant != tenant:
+                held.rivals.append(fresh)  # which one is the run's: known once the run is
+            elif rival is not None and rival.delivery.stream_sequence == delivery.stream_sequence:
+                rival.delivery = delivery
+            else:
+                await delivery.ack()  # a republish by the same tenant: the earlier one stays
+                self.num_skipped += 1
         else:
             # Two messages for one step: the orchestrator republished it after the stream's
             # deduplication window. The earlier one is kept, whichever arrived first here.
-            fresh = Held(batch, delivery)
             keep, extra = (
                 (held, fresh)
                 if held.delivery.stream_sequence < delivery.stream_sequence
@@ -183,6 +217,7 @@ class Intake:
             elif view.evicting:
                 await self._drop(run_id, steps)
             else:
+                await self._settle_tenants(run_id, steps)
                 for step in sorted(steps):
                     where = place(step, view.next_step, view.committed_step)
                     if where == "wait":
@@ -207,17 +242,49 @@ class Intake:
                 return True
         return False
 
+    async def _settle_tenants(self, run_id: str, steps: dict[int, Held]) -> None:
+        """Refuse the batches of a now known run that came from another tenant than its own."""
+        owner = self.tenant_of(run_id)
+        if owner is None:
+            return
+        for step in list(steps):
+            candidates = list(steps[step].all())
+            if len(candidates) == 1 and candidates[0].tenant == owner:
+                continue
+            rightful = [h for h in candidates if h.tenant == owner]
+            for held in candidates:
+                held.rivals = []
+                if held.tenant != owner:
+                    await self._refuse(held, owner)
+            if rightful:
+                steps[step] = rightful[0]
+            else:
+                del steps[step]
+
+    async def _refuse(self, held: Held, owner: str) -> None:
+        """Terminate and report a batch sent for another tenant's run; the run is not touched."""
+        self.num_wrong_tenant += 1
+        run_id, subject = held.batch.run_id, held.delivery.subject
+        error = (
+            f"tenant {held.tenant!r} sent a RolloutBatch (step {held.batch.step}) for {run_id}, "
+            f"which belongs to tenant {owner!r}, on {subject}: refused; a tenant sends batches "
+            "of its own runs only"
+        )
+        log.warning("trainer: %s", error)
+        await held.delivery.term()
+        await self.bus.report_invalid(subject, error, held.delivery.msg.data)
+
     async def _unknown(self, run_id: str, steps: dict[int, Held], now: float) -> None:
         if run_id in self.removed or await self._registry_status(run_id) in GONE_STATUSES:
             await self._drop(run_id, steps)
             return
         for step in [s for s, h in steps.items() if now - h.first_seen >= self.unknown_run_hold]:
-            held = steps.pop(step)
             log.info("trainer: %s is not known yet; batch step %d handed back", run_id, step)
-            await held.delivery.nak(delay=max(self.unknown_run_hold, 0.5))
+            for held in steps.pop(step).all():
+                await held.delivery.nak(delay=max(self.unknown_run_hold, 0.5))
 
     async def _drop(self, run_id: str, steps: dict[int, Held]) -> None:
-        for held in steps.values():
+        for held in [h for first in steps.values() for h in first.all()]:
             await held.delivery.ack()
             self.num_dropped += 1
         if steps:
@@ -242,7 +309,9 @@ class Intake:
 
     async def keep_alive(self, others: Iterable[Delivery] = ()) -> None:
         """Reset the ack timer of every held batch and of ``others`` (in flight, uncommitted)."""
-        deliveries = [h.delivery for steps in self.pending.values() for h in steps.values()]
+        deliveries = [
+            h.delivery for steps in self.pending.values() for f in steps.values() for h in f.all()
+        ]
         for delivery in [*deliveries, *others]:
             try:
                 await delivery.in_progress()
@@ -263,7 +332,7 @@ class Intake:
                 await self.add(batch, delivery)
         await asyncio.sleep(0.1)
         for steps in self.pending.values():
-            for held in steps.values():
+            for held in [h for first in steps.values() for h in first.all()]:
                 try:
                     await held.delivery.nak()
                 except Exception as exc:

@@ -1,23 +1,73 @@
 """The importance-sampled policy loss, normalised per run.
 
 Rollouts are sampled by a policy ``mu`` that may lag the trained policy ``pi`` by up to
-``max_async_level`` steps. For every completion token ``t`` of a sample with advantage ``A``::
+``max_async_level`` steps. Every completion token ``t`` of a sample carries the sample's
+advantage ``A`` (group-relative, the same for all its tokens) and::
 
     r_t = exp(logp_t - old_logp_t)            # pi / mu, old_logp from the RolloutBatch
 
-    clip:  l_t = -min(r_t * A, clamp(r_t, 1 - clip_low, 1 + clip_high) * A)
-    mask:  l_t = -r_t * A   if 1 - clip_low <= r_t <= 1 + clip_high
+Policy term (``loss.mode``; ``lo = 1 - clip_low``, ``hi = 1 + clip_high``, ``c = dual_clip``)::
+
+    clip:  s_t = min(r_t * A, clamp(r_t, lo, hi) * A)
+           s_t = max(s_t, c * A)          only where A < 0, unless dual_clip = 0 (off)
+           l_t = -s_t
+    mask:  l_t = -r_t * A   if lo <= r_t <= hi
            l_t = 0          otherwise (the token is dropped: no loss, no gradient, no KL)
 
-    k1:    kl_t = logp_t - ref_logp_t
-    k3:    kl_t = exp(ref_logp_t - logp_t) - (ref_logp_t - logp_t) - 1
+KL term against the reference ``ref`` (``loss.kl_estimator``, only when ``kl_coef > 0``)::
 
-    loss_t = l_t + kl_coef * kl_t
+    k1_t = logp_t - ref_logp_t
+    k3_t = exp(ref_logp_t - logp_t) - (ref_logp_t - logp_t) - 1
 
-``ref_logp`` comes from the same network with the run's adapter switched off (the base model).
-``clip`` is PPO's clipped surrogate; ``mask`` is the masking variant of prime-rl's AIPO loss,
-which drops a token whose ratio left the trust region instead of clipping its ratio, so stale
-tokens neither push nor hold the policy.
+    k3:    loss_t = l_t + kl_coef * k3_t                    (k3 is a loss term)
+    k1:    loss_t = l_t computed with A_t = A - kl_coef * sg(k1_t) in place of A
+                                                            (k1 is a reward penalty)
+
+where ``sg`` stops the gradient. ``ref_logp`` comes from the same network with the run's
+adapter switched off (the base model), at the run's sampling temperature.
+
+Sources, and what each piece is for:
+
+- ``clip`` is PPO's clipped surrogate (Schulman et al. 2017, "Proximal Policy Optimization
+  Algorithms"), applied per token as in GRPO (Shao et al. 2024, "DeepSeekMath"), with separate
+  low and high bounds (DAPO's "clip-higher", Yu et al. 2025). A token gets no gradient when the
+  clipped branch wins: ``A > 0`` and ``r > hi``, or ``A < 0`` and ``r < lo``.
+- The dual clip is dual-clip PPO (Ye et al. 2020, "Mastering Complex Control in MOBA Games with
+  Deep Reinforcement Learning"). With ``A < 0`` PPO's ``min`` keeps ``r * A`` however large
+  ``r`` grows, so a stale token that ``pi`` now likes far more than ``mu`` did has a loss
+  ``-r * A = r * |A|`` without bound (up to ``exp(LOG_RATIO_LIMIT) * |A|``) and can dominate its
+  run's gradient. The dual clip bounds that loss by ``-c * A = c * |A|``: it binds exactly
+  where ``A < 0`` and ``r > c`` (the loss is then the constant ``c * |A|``, no gradient). It
+  needs ``c > 1``; the default ``c = 3`` leaves every token with ``r <= 3`` as PPO had it.
+- ``mask`` is token-level masked importance sampling, the two-sided rule of IcePop (Ling Team
+  2025, "Every Step Evolves: Scaling Reinforcement Learning for Trillion-Scale Thinking Model")
+  and of prime-rl's masked importance ratio: a token whose ratio left ``[lo, hi]`` is dropped
+  *whatever the sign of A*. It does not follow the sign of the advantage like the clip: it also
+  drops the two cases the clip keeps because their gradient pulls ``r`` back towards 1 (``A > 0``
+  with ``r < lo``, ``A < 0`` with ``r > hi``). A ratio that far from 1 is read as a token whose
+  sampling log-probability no longer describes ``pi`` (too stale, or a mismatched inference
+  engine), so it neither pushes nor holds the policy. The dual clip does not apply: a kept
+  token has ``r <= hi``, so its loss is already bounded by ``hi * |A|``.
+- The estimators are Schulman's (2020, "Approximating KL Divergence", joschu.net/blog/kl-approx):
+  on tokens drawn from ``pi`` both ``k1`` and ``k3`` are unbiased estimates of the *value* of
+  ``KL(pi || ref)``; ``k1`` has high variance and can be negative, ``k3`` is never negative and
+  has low variance. Their *gradients* differ (Tang & Munos 2025, "On a few pitfalls in KL
+  divergence gradient estimation for RL"):
+
+  * ``k1`` differentiated as a loss gives ``grad logp``, whose expectation under ``pi`` is zero:
+    it never pulls ``pi`` towards ``ref``. So ``k1`` is used where it is right, as a reward: it
+    is subtracted, without gradient, from the token's advantage (the KL-in-reward of Ziegler et
+    al. 2019 and Ouyang et al. 2022). Its gradient ``kl_coef * k1 * r * grad logp`` then has
+    expectation ``kl_coef * grad KL(pi || ref)`` per token, also on samples from ``mu``, because
+    the penalty sits inside the importance ratio (and is clipped or masked with the reward).
+  * ``k3`` differentiated as a loss (GRPO's KL term) gives ``(1 - ref / pi) * grad logp``, whose
+    expectation under ``pi`` is ``grad KL(ref || pi)``: the gradient of the *reverse-direction*
+    KL. It vanishes at ``pi = ref`` and agrees with ``grad KL(pi || ref)`` to second order near
+    it, so it is a sound low-variance penalty towards the base model; it is the default.
+
+  ``kl_estimator = "k1"`` once meant ``kl_coef * k1`` added to the loss (zero expected
+  gradient). Such configs still load and now get the reward penalty: the loss value at
+  ``r = 1`` is the same, ``-A + kl_coef * k1``, and its gradient is now the KL's.
 
 Each run ``k`` is normalised by its own number of loss tokens in the whole step, ``N_k``,
 which the packer counts before the first micro-batch runs::
@@ -31,8 +81,11 @@ parameters only ever see the gradient of its own ``L_k``.
 
 Departures from the papers: the log-ratio is clamped to ``±LOG_RATIO_LIMIT`` before ``exp`` so
 that one absurd sampling log-probability cannot overflow to ``inf`` and turn a run's whole
-gradient into NaN (a token that far out of the trust region carries no policy gradient); and
-the KL term is an estimate on the sampled tokens (drawn from ``mu``, not ``pi``), not an exact KL.
+gradient into NaN (a token that far out of the trust region carries no policy gradient). The KL
+terms are per token: ``k1``'s penalty of a token reaches only that token's advantage, not the
+earlier tokens that led to it (Tang & Munos call this the partial gradient of the sequence KL),
+and ``k3`` is evaluated on tokens drawn from ``mu`` without an importance weight, so it is
+exact only on-policy and off by ``O(r - 1)`` inside the trust region.
 """
 
 from __future__ import annotations
@@ -60,6 +113,8 @@ class LossParams:
     clip_high: float = 0.2
     kl_coef: float = 0.0
     kl_estimator: Literal["k1", "k3"] = "k3"
+    dual_clip: float | None = 3.0
+    """``c`` of the dual clip (``clip`` mode, ``A < 0``); None turns it off."""
 
     @classmethod
     def from_config(cls, cfg: LossConfig) -> LossParams:
@@ -69,6 +124,8 @@ class LossParams:
             clip_high=cfg.clip_high,
             kl_coef=cfg.kl_coef,
             kl_estimator=cfg.kl_estimator,
+            # The config spells "off" as 0, which TOML can write (it has no null).
+            dual_clip=cfg.dual_clip if cfg.dual_clip > 0 else None,
         )
 
 
@@ -78,8 +135,10 @@ class TokenStats:
 
     ``clipped_BT`` marks loss tokens whose policy term carries no gradient because of the trust
     region: in ``clip`` mode the clipped branch won (``A > 0`` and ``r > 1 + clip_high``, or
-    ``A < 0`` and ``r < 1 - clip_low``); in ``mask`` mode the ratio left the bounds.
-    ``kl_BT`` is zero when no reference log-probabilities were given.
+    ``A < 0`` and ``r < 1 - clip_low``) or the dual clip bound (``A < 0`` and ``r > dual_clip``);
+    in ``mask`` mode the ratio left the bounds. ``A`` is the token's advantage, penalised by
+    ``k1`` when that is the estimator. ``kl_BT`` holds the estimator's value (``k1`` or ``k3``),
+    zero when no reference log-probabilities were given.
     """
 
     ratio_BT: Tensor
@@ -151,6 +210,8 @@ def token_loss(
         raise ValueError(f"unknown loss mode {params.mode!r}; use 'clip' or 'mask'")
     if params.kl_estimator not in ("k1", "k3"):
         raise ValueError(f"unknown KL estimator {params.kl_estimator!r}; use 'k1' or 'k3'")
+    if params.dual_clip is not None and not params.dual_clip > 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None: off), got {params.dual_clip}")
     shape = logprobs_BT.shape
     for name, t in (("old_logprobs_BT", old_logprobs_BT), ("mask_BT", mask_BT)):
         if t.shape != shape:
@@ -173,28 +234,37 @@ def token_loss(
     ratio_BT = torch.exp(log_ratio_BT.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
     low, high = 1.0 - params.clip_low, 1.0 + params.clip_high
 
+    kl_BT = zero_BT
+    kl_loss_BT = zero_BT
+    if ref_logprobs_BT is not None:
+        log_ref_ratio_BT = torch.where(mask_BT, ref_logprobs_BT.to(dtype) - logprobs_BT, zero_BT)
+        if params.kl_estimator == "k1":
+            kl_BT = -log_ref_ratio_BT
+            # A reward penalty: no gradient through k1 itself, only through the ratio.
+            adv_BT = adv_BT - params.kl_coef * kl_BT.detach()
+        else:
+            clamped_BT = log_ref_ratio_BT.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+            kl_BT = torch.exp(clamped_BT) - log_ref_ratio_BT - 1.0
+            kl_loss_BT = params.kl_coef * kl_BT
+
     if params.mode == "clip":
-        unclipped_BT = ratio_BT * adv_BT
-        clipped_BT = ratio_BT.clamp(low, high) * adv_BT
-        policy_BT = -torch.minimum(unclipped_BT, clipped_BT)
+        surrogate_BT = torch.minimum(ratio_BT * adv_BT, ratio_BT.clamp(low, high) * adv_BT)
         no_grad_BT = ((adv_BT > 0) & (ratio_BT > high)) | ((adv_BT < 0) & (ratio_BT < low))
+        if params.dual_clip is not None:
+            negative_BT = adv_BT < 0
+            bound_BT = params.dual_clip * adv_BT
+            surrogate_BT = torch.where(
+                negative_BT, torch.maximum(surrogate_BT, bound_BT), surrogate_BT
+            )
+            no_grad_BT = no_grad_BT | (negative_BT & (ratio_BT > params.dual_clip))
+        policy_BT = -surrogate_BT
         keep_BT = mask_BT
     else:
         no_grad_BT = (ratio_BT < low) | (ratio_BT > high)
         policy_BT = -ratio_BT * adv_BT
         keep_BT = mask_BT & ~no_grad_BT
 
-    if ref_logprobs_BT is not None:
-        log_ref_ratio_BT = torch.where(mask_BT, ref_logprobs_BT.to(dtype) - logprobs_BT, zero_BT)
-        if params.kl_estimator == "k1":
-            kl_BT = -log_ref_ratio_BT
-        else:
-            clamped_BT = log_ref_ratio_BT.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-            kl_BT = torch.exp(clamped_BT) - log_ref_ratio_BT - 1.0
-    else:
-        kl_BT = zero_BT
-
-    loss_BT = torch.where(keep_BT, policy_BT + params.kl_coef * kl_BT, zero_BT)
+    loss_BT = torch.where(keep_BT, policy_BT + kl_loss_BT, zero_BT)
     stats = TokenStats(
         ratio_BT=ratio_BT.detach(),
         clipped_BT=(no_grad_BT & mask_BT).detach(),

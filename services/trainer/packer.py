@@ -19,8 +19,10 @@ real tokens for models that want it.
 Order: each run's samples are sorted longest first, then the runs are interleaved round-robin
 (one sample of every run that still has samples per round), and the stream is cut greedily
 into micro-batches of at most ``token_budget`` padded tokens (``rows * longest row``). Round
-robin makes every micro-batch serve every run that has samples left, so a run with few samples
-is finished early instead of waiting behind a large one; sorting within a run puts samples of
+robin is the fair share: every micro-batch is split evenly among the runs that still have
+samples, whatever order their batches came in, so a run with few samples is finished in the
+first micro-batches instead of waiting behind a large one (run A with 64 samples and run B with
+4, eight rows a micro-batch: the first holds B's four and four of A's); sorting within a run puts samples of
 similar rank, and so of similar length, next to each other, which is what cuts the padding.
 """
 

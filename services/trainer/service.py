@@ -119,7 +119,12 @@ class Trainer:
                 ack_wait=settings.ack_wait,
                 max_ack_pending=100_000,
             )
-            self.intake = Intake(bus, consumer, unknown_run_hold=settings.unknown_run_hold)
+            self.intake = Intake(
+                bus,
+                consumer,
+                unknown_run_hold=settings.unknown_run_hold,
+                tenant_of=self.mirror.tenant_of,
+            )
             self.publisher = build_publisher(settings, bus)
             self.committer = Committer(
                 bus,
@@ -146,7 +151,13 @@ class Trainer:
         checkpoint = self.ranks.broadcast_object(checkpoint)
         try:
             state = create_run_state(
-                self.lora, idx, run_id, info.config, info.config_digest, checkpoint
+                self.lora,
+                idx,
+                run_id,
+                info.config,
+                info.config_digest,
+                checkpoint,
+                tenant=info.tenant,
             )
         except (RunSetupError, ValueError) as exc:
             log.error("trainer: cannot serve %s: %s", run_id, exc)

@@ -30,6 +30,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from schemas.config import OrchConfig
 from schemas.events import LoraSpec, WeightKind
 from schemas.records import Progress
+from schemas.tenant import DEFAULT_TENANT
 from services.model.lora import MultiLoRA
 from services.trainer.checkpoint import Checkpoint
 from services.trainer.loss import LossParams
@@ -61,6 +62,8 @@ class RunState:
     """checkpoint step this state was loaded from, None for a fresh run"""
     evicting: str | None = None
     """set once the trainer asked for this run's eviction: its batches are dropped from then on"""
+    tenant: str = DEFAULT_TENANT
+    """the tenant that owns the run (its subjects, its object store)"""
     loss_params: LossParams = field(init=False)
 
     def __post_init__(self) -> None:
@@ -128,6 +131,8 @@ def create_run_state(
     config: OrchConfig,
     config_digest: str,
     checkpoint: Checkpoint | None = None,
+    *,
+    tenant: str = DEFAULT_TENANT,
 ) -> RunState:
     """Reset slot ``idx`` for ``run_id`` and build its optimizer and schedule, resuming from
     ``checkpoint`` when given. Raises :class:`RunSetupError` when the run cannot be served."""
@@ -170,7 +175,8 @@ def create_run_state(
         target_modules=lora.target_modules,
         optimizer=optimizer,
         scheduler=scheduler,
-        progress=Progress(step=0, total_tokens=0, total_samples=0),
+        progress=Progress(step=0, total_tokens=0, total_samples=0, tenant=tenant),
+        tenant=tenant,
     )
     if checkpoint is not None:
         _restore(lora, state, checkpoint)
@@ -209,7 +215,7 @@ def _restore(lora: WeightSlots, state: RunState, ckpt: Checkpoint) -> None:
             ckpt.step,
         )
     state.scheduler.load_state_dict(ckpt.scheduler)
-    state.progress = Progress(**ckpt.progress)
+    state.progress = Progress(**ckpt.progress, tenant=state.tenant)
     state.committed_step = ckpt.step
     state.resumed_from = ckpt.step
 

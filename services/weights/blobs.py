@@ -23,6 +23,10 @@ Three things differ from nats-py's ``ObjectStore.put``/``get``, for speed and fo
 
 ``delete_blob`` purges an object's description as well as its chunks instead of leaving a
 tombstone, so a store that keeps only the last few adapters of each run stays bounded.
+
+Every function takes the store's name (``bucket``, default ``plexrl-weights``): a tenant's
+adapters live in a store of its own (:func:`schemas.subjects.weights_bucket`), created on first
+use with the process settings' ``stream_replicas``.
 """
 
 from __future__ import annotations
@@ -55,9 +59,11 @@ from nats.nuid import NUID
 
 from schemas.subjects import OBJECT_STORE_WEIGHTS
 from services.bus import Bus
+from services.config import process_settings
 
 BUCKET = OBJECT_STORE_WEIGHTS
 STREAM = OBJ_STREAM_TEMPLATE.format(bucket=BUCKET)
+"""The stream of the default store (each store ``b`` has its stream ``OBJ_<b>``)."""
 
 CHUNK_SIZE = 1024 * 1024
 """Largest chunk written. 1 MiB was the fastest size measured against the embedded server (it
@@ -82,12 +88,17 @@ _nuid = NUID()
 
 @dataclass(frozen=True)
 class _Bucket:
+    name: str
     store: ObjectStore
     direct: bool
     """Whether the stream answers direct gets (nats-py, Go and the nats CLI all enable it)."""
 
+    @property
+    def stream(self) -> str:
+        return _stream(self.name)
 
-_buckets: weakref.WeakKeyDictionary[Bus, _Bucket] = weakref.WeakKeyDictionary()
+
+_buckets: weakref.WeakKeyDictionary[Bus, dict[str, _Bucket]] = weakref.WeakKeyDictionary()
 
 
 class BlobError(RuntimeError):
@@ -105,23 +116,23 @@ Sink = Callable[[bytes], None]
 """Takes an object's chunks in order, as :func:`stream_blob` reads them."""
 
 
-async def delete_blob(bus: Bus, key: str) -> None:
+async def delete_blob(bus: Bus, key: str, *, bucket: str = BUCKET) -> None:
     """Remove ``key`` and its chunks from the store; a key that is not there is left alone."""
-    store = (await _bucket(bus)).store
+    store = (await _bucket(bus, bucket)).store
     try:
         info = await store.get_info(_valid_key(key), show_deleted=True)
     except ObjectNotFoundError:
         return
     # The description goes first: a reader that looks the key up afterwards is told it is
     # missing, rather than finding a description whose chunks are gone.
-    await bus.js.purge_stream(STREAM, subject=_meta_subject(key))
+    await bus.js.purge_stream(_stream(bucket), subject=_meta_subject(key, bucket))
     if info.nuid:
-        await bus.js.purge_stream(STREAM, subject=_chunk_subject(info.nuid))
+        await bus.js.purge_stream(_stream(bucket), subject=_chunk_subject(info.nuid, bucket))
 
 
-async def list_keys(bus: Bus, timeout: float = 30.0) -> list[str]:
+async def list_keys(bus: Bus, timeout: float = 30.0, *, bucket: str = BUCKET) -> list[str]:
     """Every key in the store (deleted ones excluded)."""
-    store = (await _bucket(bus)).store
+    store = (await _bucket(bus, bucket)).store
     try:
         infos = await asyncio.wait_for(store.list(ignore_deletes=True), timeout)
     except NotFoundError:  # nats-py's answer for an empty store
@@ -129,7 +140,9 @@ async def list_keys(bus: Bus, timeout: float = 30.0) -> list[str]:
     return [info.name for info in infos if not info.deleted]
 
 
-async def write_blob(bus: Bus, key: str, data: Pieces, announced: str | None = None) -> None:
+async def write_blob(
+    bus: Bus, key: str, data: Pieces, announced: str | None = None, *, bucket: str = BUCKET
+) -> None:
     """Store ``data`` under ``key``, replacing (and purging) any previous object of that key.
 
     ``data`` is one buffer, or buffers that follow each other (:meth:`EncodedStream.segments
@@ -141,7 +154,7 @@ async def write_blob(bus: Bus, key: str, data: Pieces, announced: str | None = N
     (:data:`DIGEST_HEADER`), so a reader can tell before reading whether the object is the one
     announced (:func:`stream_blob`).
     """
-    store = (await _bucket(bus)).store
+    store = (await _bucket(bus, bucket)).store
     _valid_key(key)
     try:
         previous: api.ObjectInfo | None = await store.get_info(key)
@@ -150,7 +163,7 @@ async def write_blob(bus: Bus, key: str, data: Pieces, announced: str | None = N
     max_payload = bus.nc.max_payload or CHUNK_SIZE
     chunk_size = max(1, min(CHUNK_SIZE, max_payload))
     nuid = _nuid.next().decode()
-    chunk_subject = _chunk_subject(nuid)
+    chunk_subject = _chunk_subject(nuid, bucket)
     pieces = [data] if isinstance(data, bytes | bytearray | memoryview) else list(data)
     hashing = asyncio.ensure_future(asyncio.to_thread(_sha256, pieces))
     size = num_chunks = 0
@@ -167,7 +180,7 @@ async def write_blob(bus: Bus, key: str, data: Pieces, announced: str | None = N
         digest = await hashing
         info = api.ObjectInfo(
             name=key,
-            bucket=BUCKET,
+            bucket=bucket,
             nuid=nuid,
             size=size,
             chunks=num_chunks,
@@ -179,7 +192,7 @@ async def write_blob(bus: Bus, key: str, data: Pieces, announced: str | None = N
         )
         # The rollup header makes the server keep only this description of the key.
         await bus.js.publish(
-            _meta_subject(key),
+            _meta_subject(key, bucket),
             json.dumps(info.as_dict()).encode(),
             timeout=ACK_TIMEOUT,
             headers={api.Header.ROLLUP: MSG_ROLLUP_SUBJECT},
@@ -192,21 +205,28 @@ async def write_blob(bus: Bus, key: str, data: Pieces, announced: str | None = N
         # is best effort: when the server is gone this fails too, and the error that matters
         # is the one below.
         with contextlib.suppress(TimeoutError, nats.errors.Error):
-            await bus.js.purge_stream(STREAM, subject=chunk_subject)
+            await bus.js.purge_stream(_stream(bucket), subject=chunk_subject)
         raise BlobError(
-            f"could not store {key!r} in object store {BUCKET!r} (failed after {size} bytes): "
+            f"could not store {key!r} in object store {bucket!r} (failed after {size} bytes): "
             f"{type(exc).__name__}: {exc}"
         ) from exc
     if previous is not None and previous.nuid and not previous.deleted:
-        await bus.js.purge_stream(STREAM, subject=_chunk_subject(previous.nuid))
+        await bus.js.purge_stream(_stream(bucket), subject=_chunk_subject(previous.nuid, bucket))
 
 
 async def get_blob(
-    bus: Bus, key: str, *, expected_size: int | None = None, timeout: float = 30.0
+    bus: Bus,
+    key: str,
+    *,
+    expected_size: int | None = None,
+    timeout: float = 30.0,
+    bucket: str = BUCKET,
 ) -> bytes:
     """The bytes stored under ``key``, in one buffer: :func:`stream_blob` into a list, joined."""
     chunks: list[bytes] = []
-    await stream_blob(bus, key, chunks.append, expected_size=expected_size, timeout=timeout)
+    await stream_blob(
+        bus, key, chunks.append, expected_size=expected_size, timeout=timeout, bucket=bucket
+    )
     return b"".join(chunks)
 
 
@@ -218,6 +238,7 @@ async def stream_blob(
     expected_size: int | None = None,
     expected_digest: str | None = None,
     timeout: float = 30.0,
+    bucket: str = BUCKET,
 ) -> None:
     """Hand the chunks stored under ``key`` to ``sink``, in order, without keeping them.
 
@@ -230,13 +251,13 @@ async def stream_blob(
     for a missing key (or one deleted while it was read), :class:`BlobError` for the rest: an
     object overwritten while read is not followed, since part of it reached ``sink`` already.
     """
-    bucket = await _bucket(bus)
+    handle = await _bucket(bus, bucket)
     deadline = asyncio.get_running_loop().time() + timeout
-    info = await _info(bucket.store, key)
+    info = await _info(handle, key)
     _check_expected(key, info, expected_size, expected_digest)
-    if await _read_object(bus, bucket, key, info, deadline, sink):
+    if await _read_object(bus, handle, key, info, deadline, sink):
         return
-    if (await _info(bucket.store, key)).nuid != info.nuid:
+    if (await _info(handle, key)).nuid != info.nuid:
         raise BlobError(f"object {key!r} was replaced while it was read")
     raise BlobError(
         f"object {key!r}: not all of its {info.chunks} chunks ({info.size} bytes) arrived "
@@ -271,7 +292,9 @@ async def _read_object(
     if num_chunks == 1 and bucket.direct:
         # One chunk (every adapter up to 1 MiB): a direct get is one request, no consumer.
         try:
-            raw = await bus.js.get_last_msg(STREAM, _chunk_subject(info.nuid), direct=True)
+            raw = await bus.js.get_last_msg(
+                bucket.stream, _chunk_subject(info.nuid, bucket.name), direct=True
+            )
         except (NotFoundError, nats.errors.TimeoutError):
             return False
         data = raw.data or b""
@@ -290,7 +313,9 @@ async def _read_object(
     offset = received = 0
     # An ordered consumer is ephemeral, unacknowledged and flow-controlled: the server streams
     # the chunks as fast as this client takes them and resends from the last one after a gap.
-    sub = await bus.js.subscribe(_chunk_subject(info.nuid), stream=STREAM, ordered_consumer=True)
+    sub = await bus.js.subscribe(
+        _chunk_subject(info.nuid, bucket.name), stream=bucket.stream, ordered_consumer=True
+    )
     try:
         while received < num_chunks:
             remaining = deadline - loop.time()
@@ -344,18 +369,20 @@ def _rechunk(pieces: Iterable[bytes | bytearray | memoryview], chunk_size: int) 
         yield bytes(pending)
 
 
-async def _bucket(bus: Bus) -> _Bucket:
+async def _bucket(bus: Bus, name: str = BUCKET) -> _Bucket:
     """The bucket's handle, created on first use; looked up once per connection."""
-    bucket = _buckets.get(bus)
+    known = _buckets.setdefault(bus, {})
+    bucket = known.get(name)
     if bucket is None:
         try:
-            store = await bus.js.object_store(BUCKET)
+            store = await bus.js.object_store(name)
         except (BucketNotFoundError, NotFoundError):
             # nats-py 2.x: passing a config that names the bucket fails; the name alone works.
-            store = await bus.js.create_object_store(BUCKET)
-        stream = await bus.js.stream_info(STREAM)
-        bucket = _Bucket(store, bool(stream.config.allow_direct))
-        _buckets[bus] = bucket
+            replicas = process_settings().stream_replicas
+            store = await bus.js.create_object_store(name, replicas=replicas)
+        stream = await bus.js.stream_info(_stream(name))
+        bucket = _Bucket(name, store, bool(stream.config.allow_direct))
+        known[name] = bucket
     return bucket
 
 
@@ -366,12 +393,12 @@ async def _is_current(store: ObjectStore, key: str, nuid: str) -> bool:
         return False
 
 
-async def _info(store: ObjectStore, key: str) -> api.ObjectInfo:
+async def _info(bucket: _Bucket, key: str) -> api.ObjectInfo:
     try:
-        info = await store.get_info(_valid_key(key))
+        info = await bucket.store.get_info(_valid_key(key))
     except ObjectNotFoundError:
         raise BlobNotFoundError(
-            f"object {key!r} is not in object store {BUCKET!r}: it was never written, or was "
+            f"object {key!r} is not in object store {bucket.name!r}: it was never written, or was "
             "deleted (older adapters are garbage-collected as new ones are published)"
         ) from None
     if not info.nuid:
@@ -387,13 +414,17 @@ def _valid_key(key: str) -> str:
     return key
 
 
-def _chunk_subject(nuid: str) -> str:
-    return OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=BUCKET, obj=nuid)
+def _stream(bucket: str) -> str:
+    return OBJ_STREAM_TEMPLATE.format(bucket=bucket)
 
 
-def _meta_subject(key: str) -> str:
+def _chunk_subject(nuid: str, bucket: str = BUCKET) -> str:
+    return OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=nuid)
+
+
+def _meta_subject(key: str, bucket: str = BUCKET) -> str:
     encoded = base64.urlsafe_b64encode(key.encode()).decode()
-    return OBJ_META_PRE_TEMPLATE.format(bucket=BUCKET, obj=encoded)
+    return OBJ_META_PRE_TEMPLATE.format(bucket=bucket, obj=encoded)
 
 
 def _sha256(pieces: list[bytes | bytearray | memoryview]) -> bytes:

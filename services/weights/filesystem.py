@@ -24,6 +24,7 @@ from typing import Any
 from torch import Tensor
 
 from schemas.events import WeightsReady
+from schemas.tenant import DEFAULT_TENANT
 from services.bus import Bus
 from services.model.peft_io import ADAPTER_WEIGHTS, FULL_WEIGHTS_FILE, write_weights_dir
 from services.weights.errors import WeightsError
@@ -49,14 +50,20 @@ class FilesystemSender:
         pass
 
     async def send(
-        self, run_id: str, step: int, stream: EncodedStream, adapter_config: Any = None
+        self,
+        run_id: str,
+        step: int,
+        stream: EncodedStream,
+        adapter_config: Any = None,
+        *,
+        tenant: str = DEFAULT_TENANT,
     ) -> str:
         path = self._root(run_id) / f"step_{step}"
         # Written from the very views the digest was computed over.
         await asyncio.to_thread(write_weights_dir, path, stream.segments(), adapter_config)
         return str(path)
 
-    async def stored(self, run_id: str) -> set[int]:
+    async def stored(self, run_id: str, *, tenant: str = DEFAULT_TENANT) -> set[int]:
         root = self._root(run_id)
         if not root.is_dir():
             return set()
@@ -66,7 +73,9 @@ class FilesystemSender:
             if entry.is_dir() and (m := _STEP_DIR.match(entry.name))
         }
 
-    async def forget(self, run_id: str, steps: Collection[int]) -> set[int]:
+    async def forget(
+        self, run_id: str, steps: Collection[int], *, tenant: str = DEFAULT_TENANT
+    ) -> set[int]:
         return await forget_each(
             run_id,
             steps,
@@ -88,7 +97,11 @@ class FilesystemFetcher:
         self.output_dir = output_dir
 
     async def fetch(
-        self, event: WeightsReady, destination: Mapping[str, Tensor] | None = None
+        self,
+        event: WeightsReady,
+        destination: Mapping[str, Tensor] | None = None,
+        *,
+        tenant: str = DEFAULT_TENANT,
     ) -> dict[str, Tensor]:
         where = f"weights for {event.run_id} step {event.step}"
         decoder = StreamDecoder(where, event.size_bytes, event.digest, destination)

@@ -21,6 +21,7 @@ from pathlib import Path
 from torch import Tensor
 
 from schemas.events import WeightsReady
+from schemas.tenant import DEFAULT_TENANT
 from services.bus import Bus
 from services.weights.errors import WeightsError
 from services.weights.transport import WeightFetcher, default_fetcher
@@ -35,6 +36,7 @@ async def load_weights(
     fetchers: Mapping[str, WeightFetcher] | None = None,
     *,
     destination: Mapping[str, Tensor] | None = None,
+    tenant: str = DEFAULT_TENANT,
 ) -> dict[str, Tensor]:
     """The state dict (CPU tensors) that ``event`` announces: an adapter with PEFT key names,
     or, for ``event.is_full``, the model's parameters with their Hugging Face names.
@@ -44,7 +46,8 @@ async def load_weights(
     the result maps each name to the destination's own tensor. ``output_dir``, when given,
     confines the filesystem transport: a location that does not resolve inside it is refused.
     ``fetchers`` maps a transport name to the fetcher that receives it; a transport without one
-    and without a default (``collective``) is refused as not available.
+    and without a default (``collective``) is refused as not available. ``tenant`` is the
+    tenant whose subject announced ``event``: the object store transport reads from its store.
     """
     where = f"weights for {event.run_id} step {event.step}"
     fetcher = (fetchers or {}).get(event.transport)
@@ -55,7 +58,7 @@ async def load_weights(
             f"{where}: transport {event.transport!r} is not available in this process (no "
             "fetcher for it was set up; a collective replica joins its group at start-up)"
         )
-    state = await fetcher.fetch(event, destination=destination)
+    state = await fetcher.fetch(event, destination=destination, tenant=tenant)
     _check_rank(where, event, state, touched=destination is not None)
     return state
 

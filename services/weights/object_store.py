@@ -1,4 +1,5 @@
-"""The ``object_store`` weight transport: each version is an object in ``plexrl-weights``.
+"""The ``object_store`` weight transport: each version is an object in ``plexrl-weights``, or,
+for a run of tenant ``t``, in that tenant's own store ``plexrl-weights-<t>``.
 
 The trainer writes the stream under ``<run_id>/step_<n>`` (the location) chunk by chunk from the
 tensors' own memory (:func:`~services.weights.blobs.write_blob`), never assembled in one buffer;
@@ -20,7 +21,8 @@ import nats.errors
 from torch import Tensor
 
 from schemas.events import WeightsReady
-from schemas.subjects import weights_object_key
+from schemas.subjects import weights_bucket, weights_object_key
+from schemas.tenant import DEFAULT_TENANT
 from services.bus import Bus
 from services.weights.blobs import BlobError, delete_blob, list_keys, stream_blob, write_blob
 from services.weights.errors import WeightsError
@@ -43,25 +45,36 @@ class ObjectStoreSender:
         pass
 
     async def send(
-        self, run_id: str, step: int, stream: EncodedStream, adapter_config: Any = None
+        self,
+        run_id: str,
+        step: int,
+        stream: EncodedStream,
+        adapter_config: Any = None,
+        *,
+        tenant: str = DEFAULT_TENANT,
     ) -> str:
         key = weights_object_key(run_id, step)
-        await write_blob(self.bus, key, stream.segments(), stream.digest)
+        await write_blob(
+            self.bus, key, stream.segments(), stream.digest, bucket=weights_bucket(tenant)
+        )
         return key
 
-    async def stored(self, run_id: str) -> set[int]:
+    async def stored(self, run_id: str, *, tenant: str = DEFAULT_TENANT) -> set[int]:
         prefix = f"{run_id}/step_"
         return {
             int(key.removeprefix(prefix))
-            for key in await list_keys(self.bus)
+            for key in await list_keys(self.bus, bucket=weights_bucket(tenant))
             if key.startswith(prefix) and key.removeprefix(prefix).isdigit()
         }
 
-    async def forget(self, run_id: str, steps: Collection[int]) -> set[int]:
+    async def forget(
+        self, run_id: str, steps: Collection[int], *, tenant: str = DEFAULT_TENANT
+    ) -> set[int]:
+        bucket = weights_bucket(tenant)
         return await forget_each(
             run_id,
             steps,
-            lambda step: delete_blob(self.bus, weights_object_key(run_id, step)),
+            lambda step: delete_blob(self.bus, weights_object_key(run_id, step), bucket=bucket),
             (BlobError, nats.errors.Error),
         )
 
@@ -76,7 +89,11 @@ class ObjectStoreFetcher:
         self.bus = bus
 
     async def fetch(
-        self, event: WeightsReady, destination: Mapping[str, Tensor] | None = None
+        self,
+        event: WeightsReady,
+        destination: Mapping[str, Tensor] | None = None,
+        *,
+        tenant: str = DEFAULT_TENANT,
     ) -> dict[str, Tensor]:
         where = f"weights for {event.run_id} step {event.step}"
         decoder = StreamDecoder(where, event.size_bytes, event.digest, destination)
@@ -87,6 +104,7 @@ class ObjectStoreFetcher:
                 decoder.feed,
                 expected_size=event.size_bytes,
                 expected_digest=event.digest,
+                bucket=weights_bucket(tenant),
             )
         except BaseException as exc:
             decoder.abandon()

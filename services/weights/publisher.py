@@ -8,7 +8,7 @@ tensors, never assembled) and handed to the configured transport's
 :class:`~services.weights.transport.WeightSender`, picked by name from
 :data:`~services.weights.transport.TRANSPORTS`, which says where replicas find it.
 
-Then a WeightsReady event goes to ``plexrl.weights.<run_id>`` (message id
+Then a WeightsReady event goes to ``plexrl.weights[.<tenant>].<run_id>`` (message id
 ``<run_id>/weights/step_<n>/<16 hex digits of the digest>``), carrying the digest
 (``blake3:<hex>``, :mod:`services.weights.digest`) and size of the stream, and ``kind="full"``
 for full weights (an adapter's event leaves ``kind`` out). Only then are versions older than
@@ -29,7 +29,8 @@ import msgspec
 from torch import Tensor
 
 from schemas.events import LoraSpec, Transport, WeightKind, WeightsReady
-from schemas.subjects import weights_subject
+from schemas.subjects import tenant_weights_subject
+from schemas.tenant import DEFAULT_TENANT, validate_tenant
 from services.bus import Bus
 from services.model.peft_io import peft_adapter_config
 from services.weights.stream import EncodedStream
@@ -67,8 +68,9 @@ class WeightPublisher:
             transport, bus, Path(output_dir), keep_last, options or SenderOptions()
         )
         self._started = False
-        # Steps of each run that are stored now, found once per run and kept up to date here.
-        self._stored: dict[str, set[int]] = {}
+        # Steps of each run that are stored now, found once per (tenant, run) and kept up to
+        # date here.
+        self._stored: dict[tuple[str, str], set[int]] = {}
 
     async def start(self) -> None:
         """Start the sender (listen, join the group); idempotent, and done by the first
@@ -94,6 +96,7 @@ class WeightPublisher:
         base_model_path: str = "",
         *,
         kind: WeightKind = "lora",
+        tenant: str = DEFAULT_TENANT,
     ) -> WeightsReady:
         """Store ``state_dict`` as ``run_id``'s weights at ``step``, announce them, return the
         event.
@@ -101,8 +104,10 @@ class WeightPublisher:
         ``kind`` says what ``state_dict`` is: ``"lora"``, the run's adapter (``lora`` describes
         it), or ``"full"``, the whole model's state dict (``lora`` is the run's configured
         adapter, announced but unused). The tensors are copied before the first ``await``, so
-        the caller may go on training while they are being stored.
+        the caller may go on training while they are being stored. ``tenant`` owns the run: the
+        event goes to its weights subject, the object store transport stores into its store.
         """
+        validate_tenant(tenant)
         if kind not in ("lora", "full"):
             raise ValueError(f"kind must be 'lora' or 'full', got {kind!r}")
         full = kind == "full"
@@ -120,9 +125,9 @@ class WeightPublisher:
         _check_schema(announced)
         snapshot = {k: t.detach().to("cpu", copy=True) for k, t in state_dict.items()}
         await self.start()
-        stored = self._stored.get(run_id)
+        stored = self._stored.get((tenant, run_id))
         if stored is None:
-            stored = self._stored[run_id] = await self.sender.stored(run_id)
+            stored = self._stored[tenant, run_id] = await self.sender.stored(run_id, tenant=tenant)
         # Encoding hashes every byte once: off the event loop.
         stream = await asyncio.to_thread(EncodedStream.from_state_dict, snapshot)
         config = None
@@ -130,7 +135,7 @@ class WeightPublisher:
             config = peft_adapter_config(
                 lora.rank, lora.alpha, lora.target_modules, base_model_path
             )
-        location = await self.sender.send(run_id, step, stream, config)
+        location = await self.sender.send(run_id, step, stream, config, tenant=tenant)
         stored.add(step)
         event = msgspec.structs.replace(
             announced, location=location, digest=stream.digest, size_bytes=stream.size
@@ -139,7 +144,9 @@ class WeightPublisher:
         # step re-trained after a restart (new bytes under the same key) is announced again.
         digest_id = stream.digest.partition(":")[2][:16]
         ack = await self.bus.publish(
-            weights_subject(run_id), event, msg_id=f"{run_id}/weights/step_{step}/{digest_id}"
+            tenant_weights_subject(run_id, tenant),
+            event,
+            msg_id=f"{run_id}/weights/step_{step}/{digest_id}",
         )
         if ack.duplicate:
             log.info("%s step %d: WeightsReady already announced", run_id, step)
@@ -151,7 +158,7 @@ class WeightPublisher:
         doomed = older[: max(0, len(older) - (keep - 1))]
         if doomed:
             # A version that could not be removed stays listed and is tried after the next step.
-            stored.difference_update(await self.sender.forget(run_id, doomed))
+            stored.difference_update(await self.sender.forget(run_id, doomed, tenant=tenant))
         return event
 
 

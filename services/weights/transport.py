@@ -12,6 +12,10 @@ torch.distributed load only where chosen). A module provides ``sender(bus, outpu
 keep_last, options)``, ``fetcher(bus, output_dir)`` (None when a replica must set one up itself,
 as a collective replica joins its group at start-up) and, if it may not run everywhere,
 ``unavailable()``, why it cannot run here or None. The publisher and the loader pick a transport from this table and nothing else.
+
+Every call names the run's ``tenant``: the object store keeps each tenant's weights in a store
+of its own (``plexrl-weights-<tenant>``); the other transports keep no per-tenant place and
+ignore it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from torch import Tensor
 
 from schemas.events import WeightsReady
+from schemas.tenant import DEFAULT_TENANT
 
 if TYPE_CHECKING:
     from services.bus import Bus
@@ -66,18 +71,26 @@ class WeightSender(Protocol):
         ...
 
     async def send(
-        self, run_id: str, step: int, stream: EncodedStream, adapter_config: Any = None
+        self,
+        run_id: str,
+        step: int,
+        stream: EncodedStream,
+        adapter_config: Any = None,
+        *,
+        tenant: str = DEFAULT_TENANT,
     ) -> str:
         """Offer ``stream`` as ``run_id``'s weights at ``step``; the WeightsReady location.
         ``adapter_config`` is the PEFT ``adapter_config.json`` of an adapter (None: full
         weights), for a transport that writes a directory PEFT and vLLM load."""
         ...
 
-    async def stored(self, run_id: str) -> set[int]:
+    async def stored(self, run_id: str, *, tenant: str = DEFAULT_TENANT) -> set[int]:
         """The steps of ``run_id`` held now, e.g. left by an earlier trainer."""
         ...
 
-    async def forget(self, run_id: str, steps: Collection[int]) -> set[int]:
+    async def forget(
+        self, run_id: str, steps: Collection[int], *, tenant: str = DEFAULT_TENANT
+    ) -> set[int]:
         """Drop those steps (garbage collection of old versions); the ones now gone."""
         ...
 
@@ -92,7 +105,11 @@ class WeightFetcher(Protocol):
     """
 
     async def fetch(
-        self, event: WeightsReady, destination: Mapping[str, Tensor] | None = None
+        self,
+        event: WeightsReady,
+        destination: Mapping[str, Tensor] | None = None,
+        *,
+        tenant: str = DEFAULT_TENANT,
     ) -> dict[str, Tensor]: ...
 
     async def close(self) -> None: ...

@@ -121,10 +121,42 @@ def test_step_and_weight_sync_instruments_are_exported(served: tuple[str, int], 
     telemetry.record_weight_sync(run_id, 0.3)
     telemetry.record_request_served(run_id, ok=True)
     samples = _scrape(served)
-    assert _value(samples, "plexrl_step", run_id=run_id) == 4.0
+    assert _value(samples, "plexrl_step", run_id=run_id, tenant="default") == 4.0
     assert _value(samples, "plexrl_reward", run_id=run_id) == 0.25
     assert _value(samples, "plexrl_policy_lag", run_id=run_id) == 1.0
     assert _value(samples, "plexrl_tokens_per_second", run_id=run_id) == 120.0
     assert _value(samples, "plexrl_weight_sync_latency_seconds_count", run_id=run_id) == 1.0
     assert _value(samples, "plexrl_weight_sync_latency_seconds_sum", run_id=run_id) == 0.3
     assert _value(samples, "plexrl_requests_served_total", run_id=run_id, outcome="ok") == 1.0
+
+
+def test_per_run_instruments_carry_the_tenant(served: tuple[str, int], uid: str) -> None:
+    run_id = f"run_{uid}"
+    telemetry.record_trainer_step(
+        run_id, seconds=0.5, tokens=120, samples=8, queue_wait=1.5, tenant="acme"
+    )
+    telemetry.record_trainer_step(run_id, seconds=0.25, tokens=30, samples=2, tenant="acme")
+    telemetry.record_request_served(run_id, ok=False, tenant="acme", seconds=0.2, tokens=0)
+    telemetry.record_request_served(run_id, ok=True, tenant="acme", seconds=0.4, tokens=12)
+    telemetry.record_weight_sync(run_id, 0.1, tenant="acme")
+    telemetry.record_step(
+        run_id, step=2, reward_mean=0.5, policy_lag=0, tokens_per_s=9.0, tenant="acme"
+    )
+    samples = _scrape(served)
+    labels = {"run_id": run_id, "tenant": "acme"}
+    assert _value(samples, "plexrl_trainer_tokens_total", **labels) == 150.0
+    assert _value(samples, "plexrl_trainer_samples_total", **labels) == 10.0
+    assert _value(samples, "plexrl_trainer_step_seconds_count", **labels) == 2.0
+    assert _value(samples, "plexrl_trainer_queue_wait_seconds_count", **labels) == 1.0
+    assert _value(samples, "plexrl_trainer_queue_wait_seconds_sum", **labels) == 1.5
+    assert _value(samples, "plexrl_requests_served_total", outcome="ok", **labels) == 1.0
+    assert _value(samples, "plexrl_requests_served_total", outcome="error", **labels) == 1.0
+    assert _value(samples, "plexrl_generate_wait_seconds_count", **labels) == 2.0
+    assert _value(samples, "plexrl_generated_tokens_total", **labels) == 12.0
+    assert _value(samples, "plexrl_weight_sync_latency_seconds_count", **labels) == 1.0
+    assert _value(samples, "plexrl_step", **labels) == 2.0
+    # a run of the default tenant is labelled so, and never mixed with another tenant's
+    telemetry.record_trainer_step(run_id, seconds=0.1, tokens=7)
+    samples = _scrape(served)
+    assert _value(samples, "plexrl_trainer_tokens_total", run_id=run_id, tenant="default") == 7.0
+    assert _value(samples, "plexrl_trainer_tokens_total", **labels) == 150.0

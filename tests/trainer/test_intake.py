@@ -101,3 +101,47 @@ async def test_a_batch_on_another_runs_subject_is_rejected(own_bus):
     assert intake.pending == {}
     assert await _ack_pending(bus) == 0  # terminated, not left for redelivery
     assert bus.invalid_count == 1
+
+
+async def test_a_batch_from_another_tenant_is_refused_and_the_run_left_alone(own_bus):
+    bus = own_bus
+    tenants = {"run_b": "beta"}
+    # acme sends a batch for beta's run on its own subject (all the broker lets it use)
+    await bus.publish("plexrl.rollouts.acme.run_b", make_batch("run_b", 3, seed=7), msg_id="f")
+    await bus.publish("plexrl.rollouts.beta.run_b", make_batch("run_b", 3), msg_id="r")
+    intake = Intake(bus, _consumer(bus), tenant_of=tenants.get)
+    got = await intake.consumer.fetch(batch=8, timeout=2.0)
+    assert len(got) == 2
+    for batch, delivery in got:
+        await intake.add(batch, delivery)
+    assert intake.num_wrong_tenant == 1 and bus.invalid_count == 1
+    [held] = intake.pending["run_b"].values()
+    assert (held.tenant, held.batch) == ("beta", make_batch("run_b", 3))
+    selection = await intake.select({"run_b": RunSteps(next_step=3, committed_step=3)})
+    assert selection.train["run_b"].batch == make_batch("run_b", 3)
+    assert await _ack_pending(bus) == 1  # the refused one terminated, beta's handed out
+    report = await bus.js.get_last_msg("PLEXRL_ERRORS", "plexrl.errors.test")
+    assert b"tenant 'acme' sent a RolloutBatch (step 3) for run_b" in (report.data or b"")
+    assert b"belongs to tenant 'beta'" in (report.data or b"")
+
+
+async def test_batches_from_two_tenants_for_an_unknown_run_are_sorted_out_once_it_is_known(
+    own_bus,
+):
+    bus = own_bus
+    tenants: dict[str, str] = {}
+    await bus.publish("plexrl.rollouts.acme.run_b", make_batch("run_b", 0, seed=7), msg_id="f")
+    await bus.publish("plexrl.rollouts.beta.run_b", make_batch("run_b", 0), msg_id="r")
+    intake = Intake(bus, _consumer(bus), tenant_of=tenants.get, unknown_run_hold=30.0)
+    await _fill(intake, 1)
+    for _ in range(20):
+        if intake.pending["run_b"][0].rivals:
+            break
+        for batch, delivery in await intake.consumer.fetch(batch=8, timeout=0.25):
+            await intake.add(batch, delivery)
+    assert [h.tenant for h in intake.pending["run_b"][0].all()] == ["acme", "beta"]
+    tenants["run_b"] = "beta"  # its RunDiscovered applied
+    selection = await intake.select({"run_b": RunSteps(next_step=0, committed_step=0)})
+    assert selection.train["run_b"].batch == make_batch("run_b", 0)
+    assert selection.train["run_b"].tenant == "beta" and intake.num_wrong_tenant == 1
+    assert await _ack_pending(bus) == 1

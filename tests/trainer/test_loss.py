@@ -91,6 +91,56 @@ def test_mask_mode_drops_tokens_outside_the_bounds(
     assert got_masked is masked
 
 
+@pytest.mark.parametrize(
+    ("ratio", "adv", "params", "loss", "grad", "clipped"),
+    [
+        # A < 0, r = 4 > c = 3: PPO's min(4 * -1, 1.2 * -1) = -4; max(-4, 3 * -1) = -3, so the
+        # loss is 3 = c * |A| and constant: no gradient.
+        (4.0, -1.0, CLIP, 3.0, 0.0, True),
+        # Without the dual clip the same token has loss 4 and gradient -A * r = 4.
+        (4.0, -1.0, LossParams(dual_clip=None), 4.0, 4.0, False),
+        # A < 0, r = 2.5 < c: min(-2.5, -1.2) = -2.5 > -3 = c * A, PPO as before: loss 2.5,
+        # gradient 2.5.
+        (2.5, -1.0, CLIP, 2.5, 2.5, False),
+        # The bound scales with |A|: A = -0.5, r = 10, c = 2: loss c * |A| = 1.
+        (10.0, -0.5, LossParams(dual_clip=2.0), 1.0, 0.0, True),
+        # A > 0 is untouched: r = 4 takes PPO's clipped branch, loss -1.2 * 1, no gradient.
+        (4.0, 1.0, CLIP, -1.2, 0.0, True),
+        # A < 0, r = 0.5 < 1 - 0.2: PPO's min(0.5 * -2, 0.8 * -2) = -1.6 (its own clip); the
+        # max with c * A = -6 keeps -1.6: loss 1.6, no gradient.
+        (0.5, -2.0, CLIP, 1.6, 0.0, True),
+        # c below the upper bound (clip_high = 4, so 1 + clip_high = 5 > c = 3): r = 3.5 is
+        # inside PPO's region (objective -3.5) and the dual clip still binds at -3: loss 3.
+        (3.5, -1.0, LossParams(clip_high=4.0, dual_clip=3.0), 3.0, 0.0, True),
+        # mask mode ignores the dual clip: with 1 + clip_high = 10 the token at r = 5 is kept,
+        # loss -r * A = 5, gradient 5.
+        (5.0, -1.0, LossParams(mode="mask", clip_high=9.0, dual_clip=3.0), 5.0, 5.0, False),
+    ],
+)
+def test_dual_clip_bounds_the_loss_of_negative_advantages(
+    ratio: float, adv: float, params: LossParams, loss: float, grad: float, clipped: bool
+) -> None:
+    got_loss, got_grad, got_clipped = _one_token(ratio, adv, params)
+    assert got_loss == pytest.approx(loss, abs=1e-6)
+    assert got_grad == pytest.approx(grad, abs=1e-6)
+    assert got_clipped is clipped
+
+
+def test_mask_mode_is_two_sided_whatever_the_sign_of_the_advantage() -> None:
+    # The two cases where clip and mask differ: clip keeps A > 0 with r < 1 - eps and A < 0
+    # with r > 1 + eps (their gradient -A * r pulls r back towards 1); mask drops both.
+    for ratio, adv in ((0.5, 1.0), (1.5, -1.0)):
+        clip_loss, clip_grad, clip_clipped = _one_token(ratio, adv, CLIP)
+        assert clip_loss == pytest.approx(-ratio * adv) and clip_grad == pytest.approx(-ratio * adv)
+        assert not clip_clipped
+        assert _one_token(ratio, adv, MASK) == (0.0, 0.0, True)
+    # And the two cases where they agree on "no gradient": clip keeps a constant, mask a zero.
+    for ratio, adv, clip_value in ((1.5, 1.0, -1.2), (0.5, -1.0, 0.8)):
+        clip_loss, clip_grad, clip_clipped = _one_token(ratio, adv, CLIP)
+        assert clip_loss == pytest.approx(clip_value) and clip_grad == 0.0 and clip_clipped
+        assert _one_token(ratio, adv, MASK) == (0.0, 0.0, True)
+
+
 def test_asymmetric_bounds() -> None:
     params = LossParams(mode="mask", clip_low=0.1, clip_high=1.0)
     assert _one_token(1.9, 1.0, params)[2] is False
@@ -100,8 +150,10 @@ def test_asymmetric_bounds() -> None:
 @pytest.mark.parametrize(
     ("estimator", "kl", "kl_grad"),
     [
-        # logp = log 0.5, ref = log 0.25: k1 = log 2.
-        ("k1", math.log(2.0), 1.0),
+        # logp = log 0.5, ref = log 0.25: k1 = log 2. As a reward penalty at r = 1 and A = 0 the
+        # token's advantage is -0.1 * log 2, its loss -r * A = 0.1 * log 2 and d/dlogp = -A * r
+        # = 0.1 * log 2: k1 times the score, not the constant 0.1 of k1 used as a loss.
+        ("k1", math.log(2.0), math.log(2.0)),
         # k3 = exp(ref - logp) - (ref - logp) - 1 = 0.5 + log 2 - 1; d/dlogp = 1 - 0.5.
         ("k3", 0.5 + math.log(2.0) - 1.0, 0.5),
     ],
@@ -136,6 +188,8 @@ def test_k3_is_zero_at_the_reference_and_positive_elsewhere() -> None:
 
 
 def test_kl_is_added_to_the_policy_term_but_not_to_masked_tokens() -> None:
+    # k1 = log 2 on both tokens. Token 0 (r = 1): A_t = 1 - 0.5 log 2, loss -A_t = -1 + 0.5 log 2
+    # (the value k1 as a loss term gave too). Token 1 (r = 1.8) is masked, penalty included.
     params = LossParams(mode="mask", clip_low=0.2, clip_high=0.2, kl_coef=0.5, kl_estimator="k1")
     old_BT = torch.log(torch.tensor([[0.5, 0.5]]))
     logp_BT = torch.log(torch.tensor([[0.5, 0.9]]))  # ratios 1.0 and 1.8
@@ -151,8 +205,9 @@ def test_padding_contributes_nothing_even_when_it_holds_garbage() -> None:
     logp_BT = torch.tensor([[-1.0, -2.0, 500.0, float("nan")]], requires_grad=True)
     old_BT = torch.tensor([[-1.0, -2.0, -500.0, 0.0]])
     ref_BT = torch.tensor([[-1.0, -2.0, -900.0, float("nan")]])
-    # At ref == logp both estimators are 0, but k1's gradient is kl_coef and k3's is 0.
-    for estimator, grad in (("k1", 0.0), ("k3", -0.5)):
+    # At ref == logp both estimators are 0 and so are their gradients (k1's penalty is k1 * r
+    # * grad logp): only the policy term's -A * r / 2 tokens = -0.5 is left.
+    for estimator, grad in (("k1", -0.5), ("k3", -0.5)):
         params = LossParams(kl_coef=1.0, kl_estimator=estimator)  # type: ignore[arg-type]
         loss_BT, stats = token_loss(logp_BT, old_BT, torch.tensor([1.0]), mask_BT, params, ref_BT)
         total, _ = per_run_loss(loss_BT, mask_BT, torch.tensor([0]), {0: 2})
@@ -170,14 +225,21 @@ def test_absurd_sampling_logprob_does_not_poison_the_gradient() -> None:
     # A corrupt old log-prob of -1e4 would make exp overflow; the clamp keeps it finite.
     logp_BT = torch.tensor([[-1.0, -1.0]], requires_grad=True)
     old_BT = torch.tensor([[-1e4, -1.0]])
-    loss_BT, stats = token_loss(
-        logp_BT, old_BT, torch.tensor([-1.0]), torch.ones(1, 2, dtype=torch.bool), CLIP
-    )
-    loss_BT.sum().backward()
-    assert logp_BT.grad is not None
-    assert torch.isfinite(loss_BT).all() and torch.isfinite(logp_BT.grad).all()
-    assert stats.ratio_BT[0, 0].item() == pytest.approx(math.exp(20.0), rel=1e-5)
-    assert logp_BT.grad[0, 1].item() == pytest.approx(1.0)
+    no_dual = LossParams(dual_clip=None)
+    for params, loss0 in ((no_dual, math.exp(20.0)), (CLIP, 3.0)):
+        logp_BT.grad = None
+        loss_BT, stats = token_loss(
+            logp_BT, old_BT, torch.tensor([-1.0]), torch.ones(1, 2, dtype=torch.bool), params
+        )
+        loss_BT.sum().backward()
+        assert logp_BT.grad is not None
+        assert torch.isfinite(loss_BT).all() and torch.isfinite(logp_BT.grad).all()
+        assert stats.ratio_BT[0, 0].item() == pytest.approx(math.exp(20.0), rel=1e-5)
+        # A = -1, r = e^20: PPO alone leaves the loss at e^20 * |A|; the dual clip (c = 3)
+        # holds it at 3 * |A|. Either way the clamped log-ratio passes no gradient.
+        assert loss_BT[0, 0].item() == pytest.approx(loss0, rel=1e-5)
+        assert logp_BT.grad[0, 0].item() == 0.0
+        assert logp_BT.grad[0, 1].item() == pytest.approx(1.0)
 
 
 def _random_step(seed: int) -> dict[str, torch.Tensor]:
@@ -303,10 +365,22 @@ def test_shape_and_setting_errors() -> None:
         )
     with pytest.raises(ValueError, match="temperature"):
         selected_logprobs(torch.zeros(1, 2, 3), torch.zeros(1, 2, dtype=torch.long), 0.0)
+    for bad in (1.0, 0.5, 0.0):
+        with pytest.raises(ValueError, match=f"dual_clip must be > 1 .*got {bad}"):
+            token_loss(
+                torch.zeros(2, 3),
+                torch.zeros(2, 3),
+                torch.zeros(2),
+                ones,
+                LossParams(dual_clip=bad),
+            )
 
 
 def test_params_from_config() -> None:
     cfg = LossConfig(mode="mask", clip_low=0.1, clip_high=0.3, kl_coef=0.05, kl_estimator="k1")
     assert LossParams.from_config(cfg) == LossParams(
-        mode="mask", clip_low=0.1, clip_high=0.3, kl_coef=0.05, kl_estimator="k1"
+        mode="mask", clip_low=0.1, clip_high=0.3, kl_coef=0.05, kl_estimator="k1", dual_clip=3.0
     )
+    assert LossParams.from_config(LossConfig(dual_clip=2.5)).dual_clip == 2.5
+    # 0 is how a config (TOML has no null) turns the dual clip off.
+    assert LossParams.from_config(LossConfig(dual_clip=0)).dual_clip is None

@@ -90,6 +90,31 @@ def test_round_robin_serves_every_run_in_the_first_micro_batches() -> None:
     assert step.tokens_per_run == {0: 27, 1: 12, 2: 6}
 
 
+@pytest.mark.parametrize("a_first", [True, False])
+def test_a_large_batch_cannot_starve_a_small_one(a_first: bool) -> None:
+    """Run A brings 64 samples, run B 4: B's samples all go into the first micro-batch, beside
+    as many of A's, whichever batch came first."""
+    a = (0, _batch("run_a", [_sample(4, 4 + i % 5, first=i) for i in range(64)]))
+    b = (1, _batch("run_b", [_sample(4, 2 + i, first=100 + i) for i in range(4)]))
+    # Budget 96 at up to 12 tokens a row: eight rows per micro-batch.
+    step = pack_step([a, b] if a_first else [b, a], token_budget=96, pad_id=PAD, vocab_size=VOCAB)
+    first = step.micro_batches[0]
+    assert first.num_rows == 8
+    assert sorted(
+        i for r, i in zip(first.sample_run, first.sample_index, strict=True) if r == "run_b"
+    ) == [
+        0,
+        1,
+        2,
+        3,
+    ]
+    assert first.sample_run.count("run_a") == 4
+    # A first-come packing would have filled the first seven micro-batches with A alone.
+    assert all(mb.sample_run == ["run_a"] * mb.num_rows for mb in step.micro_batches[1:])
+    assert sum(mb.num_rows for mb in step.micro_batches) == 68
+    assert step.samples_per_run == {0: 64, 1: 4}
+
+
 def test_budget_is_respected_and_counts_are_exact() -> None:
     lengths = {"run_a": [(2, 9), (4, 1), (3, 3), (1, 1), (5, 7)], "run_b": [(6, 6), (2, 2)]}
     batches = [

@@ -321,7 +321,7 @@ async def test_a_trainer_killed_mid_transfer_fails_the_load_and_the_previous_ver
 
     follower = WeightsFollower(
         bus,
-        wanted=lambda event, _: event.run_id == run_id,
+        wanted=lambda event, _headers, _tenant: event.run_id == run_id,
         install=install,
         attempts=1,
     )

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from schemas.events import WeightsReady
+from schemas.tenant import DEFAULT_TENANT
 from services.bus import Bus
 from services.weights.collective.member import GroupMember
 from services.weights.collective.protocol import (
@@ -105,7 +106,11 @@ class CollectiveReceiver(GroupMember):
             self._destinations[run_id] = destination
 
     async def fetch(
-        self, event: WeightsReady, destination: Mapping[str, Tensor] | None = None
+        self,
+        event: WeightsReady,
+        destination: Mapping[str, Tensor] | None = None,
+        *,
+        tenant: str = DEFAULT_TENANT,
     ) -> dict[str, Tensor]:
         """The tensors of the transfer ``event`` names, once they are here, size and digest checked.
 

@@ -21,6 +21,7 @@ from schemas.codec import DecodeError, decode, encode
 from schemas.collective import GroupFormed, GroupState, JoinRequest, LeaveRequest, Ping, Pong
 from schemas.run_id import validate_run_id
 from schemas.subjects import collective_subjects
+from schemas.tenant import DEFAULT_TENANT
 from services.bus import Bus
 from services.weights.collective.protocol import (
     DEFAULT_GROUP,
@@ -127,7 +128,13 @@ class CollectiveSender:
         log.info("collective sender %s: store on %s:%d", self.sender_id, self.host, self.port)
 
     async def send(
-        self, run_id: str, step: int, stream: EncodedStream, adapter_config: Any = None
+        self,
+        run_id: str,
+        step: int,
+        stream: EncodedStream,
+        adapter_config: Any = None,
+        *,
+        tenant: str = DEFAULT_TENANT,
     ) -> str:
         """Broadcast ``stream`` to the current generation, keep it for later ones, say where.
 
@@ -137,10 +144,12 @@ class CollectiveSender:
         op = _Op("send", run_id=run_id, step=step, stream=stream)
         return await self._submit(op)
 
-    async def stored(self, run_id: str) -> set[int]:
+    async def stored(self, run_id: str, *, tenant: str = DEFAULT_TENANT) -> set[int]:
         return set()  # this sender holds only what it was given since it started
 
-    async def forget(self, run_id: str, steps: Collection[int]) -> set[int]:
+    async def forget(
+        self, run_id: str, steps: Collection[int], *, tenant: str = DEFAULT_TENANT
+    ) -> set[int]:
         """Drop those steps here and on every member (the newest kept is dropped only if named)."""
         await self._submit(_Op("forget", run_id=run_id, steps=sorted(steps)))
         return set(steps)

@@ -11,6 +11,7 @@ from typing import Any
 from torch import Tensor
 
 from schemas.events import WeightsReady
+from schemas.tenant import DEFAULT_TENANT
 from services.weights.buckets import bucket_pieces
 from services.weights.errors import WeightsError
 from services.weights.header import MAX_HEADER_BYTES
@@ -61,7 +62,11 @@ class UcxWeightClient:
         self._ids = itertools.count(1)
 
     async def fetch(
-        self, event: WeightsReady, destination: Mapping[str, Tensor] | None = None
+        self,
+        event: WeightsReady,
+        destination: Mapping[str, Tensor] | None = None,
+        *,
+        tenant: str = DEFAULT_TENANT,
     ) -> dict[str, Tensor]:
         """The tensors ``event`` announces, received in place and checked; WeightsError if not.
 

@@ -9,6 +9,7 @@ from collections.abc import Collection
 from typing import Any
 
 from schemas.subjects import weights_object_key
+from schemas.tenant import DEFAULT_TENANT
 from services.weights.buckets import bucket_pieces
 from services.weights.errors import TransportUnavailable
 from services.weights.stream import CHUNK_BYTES, EncodedStream
@@ -90,7 +91,13 @@ class UcxWeightServer:
             )
 
     async def send(
-        self, run_id: str, step: int, stream: EncodedStream, adapter_config: Any = None
+        self,
+        run_id: str,
+        step: int,
+        stream: EncodedStream,
+        adapter_config: Any = None,
+        *,
+        tenant: str = DEFAULT_TENANT,
     ) -> str:
         """Hold ``stream`` under ``<run_id>/step_<n>``; the location replicas fetch it from."""
         await self.start()
@@ -102,10 +109,12 @@ class UcxWeightServer:
             versions.popitem(last=False)
         return f"ucx://{self.host}:{self.port}/{tag}"
 
-    async def stored(self, run_id: str) -> set[int]:
+    async def stored(self, run_id: str, *, tenant: str = DEFAULT_TENANT) -> set[int]:
         return set()  # this server holds only what it was given since it started
 
-    async def forget(self, run_id: str, steps: Collection[int]) -> set[int]:
+    async def forget(
+        self, run_id: str, steps: Collection[int], *, tenant: str = DEFAULT_TENANT
+    ) -> set[int]:
         versions = self._streams.get(run_id)
         if versions is not None:
             for step in steps:
