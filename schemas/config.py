@@ -13,7 +13,14 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 DEFAULT_MAX_LORA_RANK = 16
 """The largest LoRA rank the registry admits, the trainer's slots hold and inference serves,
@@ -88,17 +95,127 @@ class LossConfig(_Strict):
     kl_coef: float = Field(
         0.0, ge=0, le=100.0, description="weight of the KL term to the base model"
     )
-    kl_estimator: Literal["k1", "k3"] = "k3"
+    kl_estimator: Literal["k1", "k3"] = Field(
+        "k3",
+        description="'k3': kl_coef * k3 is a loss term (low variance; GRPO's); 'k1': kl_coef * k1 "
+        "is a reward penalty subtracted from each token's advantage (its gradient is that of "
+        "KL(pi || base)); see services/trainer/loss.py",
+    )
+    dual_clip: float = Field(
+        3.0,
+        ge=0,
+        le=1000.0,
+        description="dual-clip PPO for tokens with a negative advantage A: their loss is bounded "
+        "by dual_clip * |A| (mode 'clip'); must be > 1, or 0 to turn it off",
+        # The JSON Schema says what the validator below enforces: 0, or more than 1.
+        json_schema_extra={"not": {"exclusiveMinimum": 0, "maximum": 1}},
+    )
+
+    @field_validator("dual_clip")
+    @classmethod
+    def _dual_clip_above_one(cls, v: float) -> float:
+        if 0 < v <= 1:
+            raise ValueError(
+                f"dual_clip = {v} would cap the loss of every token with A < 0 at or below its "
+                "value at ratio 1, so negative advantages would teach nothing; use a value > 1 "
+                "(3 is usual) or 0 to turn it off"
+            )
+        return v
 
 
 class SamplingConfig(_Strict):
-    temperature: float = Field(1.0, ge=0, le=10.0)
-    top_p: float = Field(1.0, gt=0, le=1.0)
+    """How inference samples the run's training completions."""
+
+    temperature: float = Field(
+        1.0,
+        gt=0,
+        le=10.0,
+        description="softmax temperature; > 0 for training (the trainer scores tokens at it)",
+    )
+    top_p: float = Field(
+        1.0,
+        ge=1.0,
+        le=1.0,
+        description="nucleus mass; only 1 is admitted, as the trainer scores tokens under the "
+        "full distribution",
+    )
     max_tokens: int = Field(16, ge=1, le=32768, description="completion length limit")
+
+    # Before the bounds, so that these two settings get the reason, not just the bound.
+    @field_validator("temperature", mode="before")
+    @classmethod
+    def _not_greedy(cls, v: Any) -> Any:
+        if _is_number(v) and v == 0:
+            raise ValueError(
+                "temperature 0 is greedy decoding: the samples of a group are identical, so "
+                "every advantage is zero and the run cannot learn; use temperature > 0 for "
+                "training (evaluation may use 0)"
+            )
+        return v
+
+    @field_validator("top_p", mode="before")
+    @classmethod
+    def _full_distribution(cls, v: Any) -> Any:
+        if _is_number(v) and v < 1:
+            raise ValueError(
+                f"top_p = {v} samples from a renormalised nucleus, but the trainer scores tokens "
+                "under the full distribution, so the importance ratio would not be 1 even on "
+                "the first step; use top_p = 1 for training"
+            )
+        return v
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
 
 
 class AdvantageConfig(_Strict):
     std_normalize: bool = Field(False, description="divide group-centred rewards by the group std")
+    dynamic_sampling: bool = Field(
+        False,
+        description="drop groups whose rewards are all equal and replace them with new prompts "
+        "until the batch is full (DAPO); after a bounded number of rounds the step is published "
+        "with the groups it has",
+    )
+
+
+class EvalConfig(_Strict):
+    """Held-out evaluation: the run's policy and the base model on prompts training never sees.
+
+    Every ``interval`` steps and after the last one, the orchestrator scores the current policy
+    greedily (temperature 0) and ``samples`` times at the run's temperature (pass@k) on the
+    first ``num_prompts`` held-out prompts; once, before the first step, it scores the base
+    model greedily and at each of ``base_temperatures``, and the best of those is ``base_best``.
+    """
+
+    interval: int = Field(
+        10, ge=0, le=1_000_000, description="evaluate every this many steps; 0 turns it off"
+    )
+    num_prompts: int = Field(64, ge=1, le=4096, description="held-out prompts per evaluation")
+    pass_k: int = Field(
+        4, ge=1, le=1024, description="k of pass@k, sampled at the run's temperature"
+    )
+    samples: int = Field(
+        4, ge=1, le=1024, description="samples per prompt for pass@k (n >= k of the estimator)"
+    )
+    base_temperatures: tuple[float, ...] = Field(
+        (0.1, 0.5, 1.0),
+        max_length=16,
+        description="temperatures at which the base is scored, besides greedy (temperature 0)",
+    )
+
+    @field_validator("base_temperatures")
+    @classmethod
+    def _temperatures_in_range(cls, v: tuple[float, ...]) -> tuple[float, ...]:
+        if not all(0.0 < t <= 10.0 for t in v):
+            raise ValueError("each base temperature must be in (0, 10]; greedy is always included")
+        return v
+
+    @model_validator(mode="after")
+    def _enough_samples(self) -> EvalConfig:
+        if self.samples < self.pass_k:
+            raise ValueError(f"samples ({self.samples}) must be >= pass_k ({self.pass_k})")
+        return self
 
 
 class CkptConfig(_Strict):
@@ -131,6 +248,7 @@ class OrchConfig(_Strict):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     ckpt: CkptConfig = Field(default_factory=CkptConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """The config as plain JSON-compatible data (what RunSubmitted.config carries)."""

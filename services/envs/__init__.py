@@ -6,7 +6,7 @@ neither torch nor any service, so the registry's validation stays light.
 """
 
 from services.envs.arithmetic import AddEnv
-from services.envs.base import PROMPT_CHARACTERS, Environment, Prompt
+from services.envs.base import PROMPT_CHARACTERS, Environment, Prompt, SplitError
 from services.envs.loader import BUILTIN_ENVS, EnvLoadError, load_environment
 from services.envs.prompts import decode_ids, encode_text, prompt_token_ids, score_completion
 from services.envs.strings import CopyEnv, ReverseEnv
@@ -20,6 +20,7 @@ __all__ = [
     "Environment",
     "Prompt",
     "ReverseEnv",
+    "SplitError",
     "decode_ids",
     "encode_text",
     "load_environment",

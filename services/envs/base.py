@@ -3,16 +3,41 @@
 A run's position in its environment is a single integer, the index of the next prompt: prompt
 ``i`` depends only on the environment's seed and ``i``, never on which prompts were drawn
 before, so resuming a run means remembering that integer.
+
+Two splits, disjoint by construction: the SHA-256 of a prompt's *text* decides its split
+(held out when the first 8 bytes, read as an integer, fall in the lowest ``heldout_fraction`` of
+the range), so the same text is in the same split for every seed, run and process.
+
+- training prompt ``i`` (:meth:`Environment.train_prompt`) is ``prompt(i)`` when that is a
+  training prompt, else the first training prompt among ``prompt(j)`` for a fixed sequence of
+  indices ``j`` derived from ``i`` (at most ``MAX_DRAWS`` tries);
+- held-out prompt ``i`` (:meth:`Environment.heldout_prompts`) is the ``i``-th held-out prompt of
+  ``prompt(0), prompt(1), ...`` in order.
+
+A plugin implements only :meth:`Environment.prompt` and :meth:`Environment.score` and gets both
+splits; it may set ``heldout_fraction = 0`` to hold nothing out (then a run has no held-out
+evaluation), or override :meth:`Environment.is_heldout` to use a split of its own.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 PROMPT_CHARACTERS = "abcdefghijklmnopqrstuvwxyz0123456789 .,:;!?+-*/=()[]<>'\"_#@"
 """Every character a built-in prompt or target uses; the tiny model's tokenizer covers them."""
+
+MAX_DRAWS = 10_000
+"""Prompts tried before a split is declared empty: with a held-out fraction of 1/10, a split
+that has prompts misses them all in 10,000 draws with probability below 1e-450."""
+
+_HASH_RANGE = 1 << 64
+
+
+class SplitError(ValueError):
+    """An environment whose prompts cannot fill a split (too few distinct prompts)."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +57,8 @@ class Environment(ABC):
     """
 
     name: str
+    heldout_fraction: float = 0.1
+    """Share of the prompt texts held out of training, in [0, 1)."""
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
@@ -53,6 +80,54 @@ class Environment(ABC):
         if index < 0:
             raise ValueError(f"prompt index must be >= 0, got {index}")
         return random.Random(f"{self.name}:{self.seed}:{index}")
+
+    def is_heldout(self, prompt: Prompt) -> bool:
+        """Whether ``prompt`` belongs to the held-out split: decided by its text alone."""
+        digest = hashlib.sha256(prompt.text.encode()).digest()
+        return int.from_bytes(digest[:8], "big") < self.heldout_fraction * _HASH_RANGE
+
+    def train_prompt(self, index: int) -> Prompt:
+        """Training prompt ``index``: never a held-out prompt (see the module docstring)."""
+        prompt = self.prompt(index)
+        draws = 1
+        while self.is_heldout(prompt):
+            if draws >= MAX_DRAWS:
+                raise SplitError(
+                    f"environment {self.name!r}: no training prompt in {MAX_DRAWS} draws from "
+                    f"index {index}; every prompt it makes is held out (lower heldout_fraction)"
+                )
+            prompt = self.prompt(_redraw_index(self.name, index, draws))
+            draws += 1
+        return prompt
+
+    def heldout_prompts(self, count: int) -> list[Prompt]:
+        """The first ``count`` held-out prompts, the same list on every call."""
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        if count and self.heldout_fraction <= 0:
+            raise SplitError(
+                f"environment {self.name!r} holds no prompts out (heldout_fraction = 0)"
+            )
+        found: list[Prompt] = []
+        index = 0
+        while len(found) < count:
+            if index >= MAX_DRAWS + 100 * count:
+                raise SplitError(
+                    f"environment {self.name!r}: {len(found)} held-out prompts in its first "
+                    f"{index} prompts, {count} needed; it has too few distinct prompts"
+                )
+            prompt = self.prompt(index)
+            if self.is_heldout(prompt):
+                found.append(prompt)
+            index += 1
+        return found
+
+
+def _redraw_index(name: str, index: int, draw: int) -> int:
+    """Where training prompt ``index`` looks on its ``draw``-th try: a stable hash, so the
+    replacement is the same in every process and lands anywhere in ``[0, 2**31)``."""
+    digest = hashlib.sha256(f"plexrl-train:{name}:{index}:{draw}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") >> 1
 
 
 def answer_of(completion_text: str) -> str:

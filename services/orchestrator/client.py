@@ -1,5 +1,8 @@
 """The orchestrator's side of ``plexrl.inference.generate``: request/reply with retries.
 
+A tenant's orchestrator asks on ``plexrl.inference.<tenant>.generate``, the only generate subject
+its credentials allow.
+
 Inference replicas come and go (a restart, a replica still loading its model, a queue group
 that is momentarily empty), and a replica may not yet hold the policy version a request
 demands. None of that should end a run, so :meth:`GenerateClient.generate` retries, with
@@ -30,8 +33,9 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from schemas.events import GenerateRequest, GenerateResponse
-from schemas.subjects import GENERATE
+from schemas.subjects import generate_subject
 from services.bus import Bus
+from services.orchestrator.lifecycle import acting_tenant
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +70,10 @@ class GenerationStopped(Exception):
 
 
 class GenerateClient:
-    """Sends GenerateRequests on ``plexrl.inference.generate`` and retries transient failures.
+    """Sends GenerateRequests on ``subject`` and retries transient failures.
+
+    ``subject`` defaults to the generate subject of ``tenant`` (default: the tenant this process
+    acts for): ``plexrl.inference.generate`` for the default tenant.
 
     ``timeout`` bounds one attempt: the time a replica may take to wait for the policy version
     and to generate. ``max_attempts`` of None retries until ``stop`` is set (or the caller
@@ -82,7 +89,8 @@ class GenerateClient:
         initial_backoff: float = 0.25,
         max_backoff: float = 5.0,
         max_attempts: int | None = None,
-        subject: str = GENERATE,
+        subject: str | None = None,
+        tenant: str | None = None,
         warn_every: float = 10.0,
     ) -> None:
         if timeout <= 0:
@@ -93,7 +101,7 @@ class GenerateClient:
         self.initial_backoff = initial_backoff
         self.max_backoff = max_backoff
         self.max_attempts = max_attempts
-        self.subject = subject
+        self.subject = subject or generate_subject(acting_tenant(tenant))
         self.warn_every = warn_every
         self._warned: dict[str, float] = {}
         self.retries = 0

@@ -2,9 +2,10 @@
 
 Step ``n`` of a run with ``B = batch_size`` prompts and ``G = group_size`` completions each:
 
-1. prompt ``j`` of the step is environment prompt ``n * B + j``: the dataset position is a
-   function of the step alone, so a resumed orchestrator draws exactly the prompts a step would
-   have had, whichever source (its checkpoint, the trainer, the stream) told it the step;
+1. prompt ``j`` of the step is the environment's training prompt ``n * B + j`` (never a
+   held-out prompt, see :mod:`services.envs.base`): the dataset position is a function of the
+   step alone, so a resumed orchestrator draws exactly the prompts a step would have had,
+   whichever source (its checkpoint, the trainer, the stream) told it the step;
 2. each prompt becomes one GenerateRequest with ``n = G``, ``min_policy_version`` the step's
    off-policy bound and a seed from ``(config.seed, n, prompt index)``, so a step generated
    twice against the same policy yields the same tokens;
@@ -19,6 +20,14 @@ Step ``n`` of a run with ``B = batch_size`` prompts and ``G = group_size`` compl
    with the population std and ``eps = 1e-6``; a group whose rewards are all equal gets 0;
 5. ``RolloutBatch.policy_version`` is the oldest version that generated any sample, the
    minimum over the step's responses.
+
+Dynamic sampling (``advantage.dynamic_sampling``, DAPO, Yu et al. 2025): a group whose rewards
+are all equal has advantage 0 and teaches nothing, so it is dropped and replaced by refill
+prompts (:func:`plan_refill`) until ``B`` groups have spread; :func:`fill_groups` decides
+which groups a batch keeps. Unlike DAPO, which keeps sampling until the batch is full, refills
+stop after ``MAX_REFILL_ROUNDS`` rounds and the batch is topped up with dropped groups
+(advantage 0), so a step always carries ``B`` groups and a run whose prompts are all solved (or
+all hopeless) keeps moving.
 
 Nothing here touches the bus: the run loop sends the requests and publishes the batch.
 """
@@ -37,6 +46,9 @@ from services.orchestrator.advantages import batch_advantages
 
 SEED_BITS = 31
 """Request seeds fit a signed 32-bit integer, so a client or engine in any language takes them."""
+
+MAX_REFILL_ROUNDS = 4
+"""Rounds of refill prompts dynamic sampling generates for one step before it gives up."""
 
 
 class BadResponse(ValueError):
@@ -74,9 +86,71 @@ def plan_step(env: Environment, tokenizer: Any, step: int, batch_size: int) -> l
     planned = []
     for j in range(batch_size):
         index = prompt_index(step, batch_size, j)
-        prompt = env.prompt(index)
+        prompt = env.train_prompt(index)
         planned.append(PlannedPrompt(index, prompt, prompt_token_ids(tokenizer, prompt.text)))
     return planned
+
+
+def refill_index(step: int, refill_round: int, j: int) -> int:
+    """The environment index of refill prompt ``j`` of ``refill_round`` (from 1) of ``step``.
+
+    A hash into ``[2**40, 2**41)``, far above the positions of the regular steps, so a refill
+    prompt is not a prompt a later step draws anyway, and stable across processes.
+    """
+    if step < 0 or refill_round < 1 or j < 0:
+        raise ValueError(f"no refill prompt {j} in round {refill_round} of step {step}")
+    digest = hashlib.sha256(f"plexrl-refill:{step}:{refill_round}:{j}".encode()).digest()
+    return (1 << 40) + (int.from_bytes(digest[:5], "big") & ((1 << 40) - 1))
+
+
+def plan_refill(
+    env: Environment, tokenizer: Any, step: int, refill_round: int, count: int
+) -> list[PlannedPrompt]:
+    """``count`` fresh training prompts that replace dropped groups of ``step``."""
+    planned = []
+    for j in range(count):
+        index = refill_index(step, refill_round, j)
+        prompt = env.train_prompt(index)
+        planned.append(PlannedPrompt(index, prompt, prompt_token_ids(tokenizer, prompt.text)))
+    return planned
+
+
+def has_spread(rewards: Sequence[float]) -> bool:
+    """Whether a group's rewards differ, i.e. whether its advantages can be non-zero."""
+    return max(rewards) != min(rewards) if rewards else False
+
+
+@dataclass(frozen=True)
+class ScoredGroup:
+    """One prompt's completions, their rewards and the policy version that generated them."""
+
+    planned: PlannedPrompt
+    completions: list[Completion]
+    rewards: list[float]
+    policy_version: int
+
+
+def fill_groups(
+    kept: Sequence[ScoredGroup], candidates: Sequence[ScoredGroup], batch_size: int
+) -> tuple[list[ScoredGroup], list[ScoredGroup]]:
+    """``(kept, dropped)``: ``kept`` extended, in order, by the candidates with reward spread,
+    up to ``batch_size`` groups; ``dropped`` the candidates without spread. Candidates with
+    spread beyond ``batch_size`` are neither (they were not needed)."""
+    out = list(kept)
+    dropped = []
+    for group in candidates:
+        if not has_spread(group.rewards):
+            dropped.append(group)
+        elif len(out) < batch_size:
+            out.append(group)
+    return out, dropped
+
+
+def top_up(
+    kept: Sequence[ScoredGroup], dropped: Sequence[ScoredGroup], batch_size: int
+) -> list[ScoredGroup]:
+    """``kept`` filled up to ``batch_size`` with dropped groups, when the refills ran out."""
+    return [*kept, *dropped[: max(0, batch_size - len(kept))]]
 
 
 def build_request(
@@ -110,6 +184,13 @@ def check_response(request: GenerateRequest, response: GenerateResponse) -> list
     "GenerateResponse") before its data reaches the trainer, where it would be much harder to
     trace back.
     """
+    return check_completions(request, response)[0]
+
+
+def check_completions(
+    request: GenerateRequest, response: GenerateResponse
+) -> list[list[Completion]]:
+    """The completions of every prompt of the request, in order (see :func:`check_response`)."""
     where = f"reply to {request.request_id}"
     if response.error:
         raise BadResponse(f"{where}: {response.error}")
@@ -122,21 +203,21 @@ def check_response(request: GenerateRequest, response: GenerateResponse) -> list
         raise BadResponse(
             f"{where}: {len(response.completions)} prompts answered, {len(request.prompts)} asked"
         )
-    group = response.completions[0]
-    if len(group) != request.n:
-        raise BadResponse(f"{where}: {len(group)} completions, {request.n} asked")
-    for k, completion in enumerate(group):
-        if len(completion.token_ids) != len(completion.logprobs):
-            raise BadResponse(
-                f"{where}: completion {k} has {len(completion.token_ids)} tokens but "
-                f"{len(completion.logprobs)} logprobs"
-            )
-        if len(completion.token_ids) > request.max_tokens:
-            raise BadResponse(
-                f"{where}: completion {k} has {len(completion.token_ids)} tokens, over "
-                f"max_tokens={request.max_tokens}"
-            )
-    return group
+    for group in response.completions:
+        if len(group) != request.n:
+            raise BadResponse(f"{where}: {len(group)} completions, {request.n} asked")
+        for k, completion in enumerate(group):
+            if len(completion.token_ids) != len(completion.logprobs):
+                raise BadResponse(
+                    f"{where}: completion {k} has {len(completion.token_ids)} tokens but "
+                    f"{len(completion.logprobs)} logprobs"
+                )
+            if len(completion.token_ids) > request.max_tokens:
+                raise BadResponse(
+                    f"{where}: completion {k} has {len(completion.token_ids)} tokens, over "
+                    f"max_tokens={request.max_tokens}"
+                )
+    return response.completions
 
 
 def score_group(

@@ -13,12 +13,17 @@
      ``n + 1`` be generated while the trainer trains on step ``n``;
    - ask inference for ``group_size`` completions of each of the step's ``batch_size`` prompts,
      all requests at once, each demanding that version (:mod:`.client`, :mod:`.rollouts`);
-   - score, compute group-relative advantages, publish the RolloutBatch with message id
-     ``<run_id>/step_<n>``, append a line to ``metrics.jsonl`` (:mod:`.metrics`) and checkpoint
-     (:mod:`.step`);
+   - score, compute group-relative advantages (dropping and replacing groups without reward
+     spread under ``advantage.dynamic_sampling``, :mod:`.dynamic_sampling`), publish the
+     RolloutBatch with message id ``<run_id>/step_<n>``, append a line to ``metrics.jsonl``
+     (:mod:`.metrics`) and checkpoint (:mod:`.step`);
+   - every ``eval.interval`` steps, evaluate the policy on the held-out prompts and add the
+     result to the step's metrics line (:mod:`.evaluation`); the base model is evaluated once,
+     before the first step;
 
 4. **the end**: once every step is published, wait (unless told not to) until the trainer has
-   announced version ``max_steps``, so whoever started the run knows training is over.
+   announced version ``max_steps``, so whoever started the run knows training is over, then
+   evaluate that final policy and add it to the last step's line.
 
 Throughout, a RunEvicted or RunForgotten for the run cancels whatever is in flight and ends the
 run with status ``evicted`` (exit 3). Setting ``stop`` (SIGTERM) ends it cleanly: a step being
@@ -43,9 +48,17 @@ from schemas.config import OrchConfig
 from schemas.events import RunEvicted, RunForgotten
 from schemas.run_id import validate_run_id
 from services.bus import Bus, PayloadTooLarge
-from services.envs import Environment, load_environment
+from services.envs import Environment, EnvLoadError, SplitError, load_environment
 from services.orchestrator import rollouts
 from services.orchestrator.client import GenerateClient, GenerationError, GenerationStopped
+from services.orchestrator.dynamic_sampling import FilteringStepRunner
+from services.orchestrator.evaluation import (
+    BaseEval,
+    EvalUnavailable,
+    HeldOutEvaluator,
+    eval_due,
+    fields_of,
+)
 from services.orchestrator.lifecycle import (
     Admission,
     RunRejected,
@@ -54,17 +67,17 @@ from services.orchestrator.lifecycle import (
     admit,
     removal_reason,
 )
-from services.orchestrator.metrics import metrics_path
+from services.orchestrator.metrics import merge_metrics, metrics_path
 from services.orchestrator.state import (
     CheckpointError,
     checkpoint_path,
     last_published_step,
     read_checkpoint,
+    read_progress,
     resume_step,
 )
 from services.orchestrator.step import ScoringError, StepRunner
 from services.orchestrator.versions import PolicyVersions
-from services.runs.progress import read_progress
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -122,6 +135,17 @@ class RunOrchestrator:
         # Loading the environment here makes a bad ``env`` a constructor error (exit 2 in the
         # CLI) instead of a failure after the run was submitted.
         self.env = env or load_environment(config.env, config.seed, **config.env_args)
+        try:
+            self.env.train_prompt(0)
+        except SplitError as exc:
+            raise EnvLoadError(str(exc)) from exc
+        self.evaluate = config.eval.interval > 0
+        if self.evaluate:
+            try:
+                self.env.heldout_prompts(config.eval.num_prompts)
+            except SplitError as exc:
+                log.warning("%s: no held-out evaluation: %s", run_id, exc)
+                self.evaluate = False
         self.request_timeout = request_timeout
         self.wait_for_training = wait_for_training
         self.submitted_by = submitted_by
@@ -129,6 +153,8 @@ class RunOrchestrator:
         self.max_concurrent_requests = max_concurrent_requests
         self._versions: PolicyVersions | None = None
         self._steps: StepRunner | None = None
+        self._evaluator: HeldOutEvaluator | None = None
+        self._base: BaseEval | None = None
         self.next_step = 0
         self.steps_published = 0
 
@@ -167,17 +193,28 @@ class RunOrchestrator:
             self._versions = PolicyVersions(self.bus, self.run_id, since=admission.incarnation_time)
             await self._versions.start()
             self.next_step = await self._resume_step(admission)
-            self._steps = StepRunner(
+            client = GenerateClient(self.bus, timeout=self.request_timeout, stop=stop)
+            self._steps = FilteringStepRunner(
                 self.bus,
                 self.run_id,
                 self.config,
                 env=self.env,
                 tokenizer=self.tokenizer,
-                client=GenerateClient(self.bus, timeout=self.request_timeout, stop=stop),
+                client=client,
                 output_dir=self.output_dir,
                 incarnation=admission.incarnation_seq,
                 max_concurrent_requests=self.max_concurrent_requests,
             )
+            if self.evaluate:
+                self._evaluator = HeldOutEvaluator(
+                    self.run_id,
+                    self.config,
+                    env=self.env,
+                    tokenizer=self.tokenizer,
+                    client=client,
+                    output_dir=self.output_dir,
+                    max_concurrent_requests=self.max_concurrent_requests,
+                )
             return await self._until_removed(watch, admission, self._drive(stop))
         except RunRejected as exc:
             return self._result("rejected", str(exc))
@@ -251,7 +288,10 @@ class RunOrchestrator:
     async def _drive(self, stop: asyncio.Event) -> OrchestratorResult:
         assert self._versions is not None and self._steps is not None
         versions, config = self._versions, self.config
+        last = config.max_steps - 1
         try:
+            if self._evaluator is not None:
+                await self._evaluate_base()
             while self.next_step < config.max_steps:
                 step, started = self.next_step, time.monotonic()
                 bound = max(0, step - config.max_async_level)
@@ -269,6 +309,8 @@ class RunOrchestrator:
                 await self._steps.run(step, bound, started)
                 self.next_step = step + 1
                 self.steps_published += 1
+                if self._evaluator is not None and step != last and eval_due(step, config):
+                    await self._evaluate_policy(step, versions.latest)
             if self.wait_for_training and versions.latest < config.max_steps:
                 log.info(
                     "%s: all %d steps published; waiting for the trainer to announce version %d",
@@ -277,11 +319,55 @@ class RunOrchestrator:
                     config.max_steps,
                 )
                 await self._unless_stopped(versions.wait_for(config.max_steps), stop)
+            if self._evaluator is not None and self.steps_published and eval_due(last, config):
+                await self._evaluate_policy(last, versions.latest)
         except (_Stopped, GenerationStopped):
             log.info("%s: stopped before step %d", self.run_id, self.next_step)
             return self._result("stopped", f"stopped before step {self.next_step}")
         log.info("%s: done (%d steps)", self.run_id, config.max_steps)
         return self._result("done")
+
+    async def _evaluate_base(self) -> None:
+        """The base on the held-out prompts, once per run (stored; a resumed run reads it)."""
+        assert self._evaluator is not None
+        if self.next_step > 0 and not self._evaluator.base_path.exists():
+            log.warning(
+                "%s: resumed at step %d without a base evaluation; the base is no longer served "
+                "for this run, so its metrics carry no base_best",
+                self.run_id,
+                self.next_step,
+            )
+            return
+        try:
+            self._base = await self._evaluator.base()
+        except EvalUnavailable as exc:
+            log.warning("%s: no base evaluation: %s", self.run_id, exc)
+            return
+        log.info(
+            "%s: base on %d held-out prompts: %s; best %.3f at temperature %g",
+            self.run_id,
+            len(self._evaluator.prompts),
+            ", ".join(f"T={t:g}: {r:.3f}" for t, r in self._base.by_temperature.items()),
+            self._base.best,
+            self._base.best_temperature,
+        )
+
+    async def _evaluate_policy(self, step: int, min_version: int) -> None:
+        """The policy on the held-out prompts, added to ``step``'s metrics line."""
+        assert self._evaluator is not None
+        result = await self._evaluator.policy(step, min_version)
+        merge_metrics(self.metrics_path, step, fields_of(result, self._base))
+        gain = "" if self._base is None else f", gain {result.greedy - self._base.best:+.3f}"
+        log.info(
+            "%s step %d: held-out greedy %.3f, pass@%d %.3f (policy v%d)%s",
+            self.run_id,
+            step,
+            result.greedy,
+            result.pass_k,
+            result.pass_at_k,
+            result.policy_version,
+            gain,
+        )
 
     async def _unless_stopped(self, work: Awaitable[Any], stop: asyncio.Event) -> None:
         finished, _ = await _race(work, stop.wait())

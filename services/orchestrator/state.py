@@ -17,6 +17,12 @@ So a restarted orchestrator takes the furthest of three independent witnesses:
 - the newest RolloutBatch on ``plexrl.rollouts.<run_id>`` (one ``get_last_msg``): step ``s``
   there means the next is ``s + 1``.
 
+A tenant's credentials read neither KV bucket nor a stream message by sequence: a tenant's
+orchestrator takes the trainer's progress from the registry's list service (which joins the
+table with ``plexrl-progress``) and the newest batch on ``plexrl.rollouts.<tenant>.<run_id>``
+from a consumer that delivers the last message of that subject
+(:func:`services.bus.last.last_message`).
+
 It never republishes a step the stream or the trainer already has, and never skips one, since
 each witness only ever records steps that were published. Should two witnesses disagree the
 message ids (``<run_id>/step_<n>``) still make a duplicate harmless.
@@ -29,6 +35,7 @@ progress or batches from an earlier life are ignored.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
 import time
@@ -36,13 +43,19 @@ from datetime import datetime
 from pathlib import Path
 
 import msgspec
-from nats.js.errors import NotFoundError
 
 from schemas.codec import DecodeError, decode
 from schemas.events import RolloutBatch
+from schemas.records import Progress
 from schemas.run_id import validate_run_id
-from schemas.subjects import ROLLOUTS_STREAM, rollouts_subject
+from schemas.subjects import ROLLOUTS_STREAM, tenant_rollouts_subject
+from schemas.tenant import DEFAULT_TENANT
 from services.bus import Bus
+from services.bus.last import last_message
+from services.orchestrator.lifecycle import RegistryListError, acting_tenant, registry_row
+from services.runs import progress as kv_progress
+
+log = logging.getLogger(__name__)
 
 CHECKPOINT_NAME = "orchestrator.json"
 
@@ -132,25 +145,54 @@ def resume_step(
     return max(s for s in (0, checkpoint_next_step, trainer_step, after_stream) if s is not None)
 
 
-async def last_published_step(bus: Bus, run_id: str, since: datetime | None = None) -> int | None:
+async def read_progress(bus: Bus, run_id: str, *, tenant: str | None = None) -> Progress | None:
+    """The trainer's progress of ``run_id``, or None if it has recorded none.
+
+    ``tenant`` defaults to the tenant this process acts for. The default tenant reads KV
+    ``plexrl-progress``; another asks the registry's list service, and if no registry answers
+    the witness is missing (None, with a warning): the checkpoint and the stream still are.
+    """
+    tenant = acting_tenant(tenant)
+    if tenant == DEFAULT_TENANT:
+        return await kv_progress.read_progress(bus, run_id)
+    try:
+        row = await registry_row(bus, run_id, tenant)
+    except RegistryListError as exc:
+        log.warning("%s: trainer progress unknown (%s)", run_id, exc)
+        return None
+    if row is None or row.step is None:
+        return None
+    return Progress(
+        step=row.step,
+        total_tokens=row.total_tokens or 0,
+        total_samples=row.total_samples or 0,
+        updated_at=row.updated_at,
+        reward_mean=row.reward_mean,
+        tenant=row.tenant,
+    )
+
+
+async def last_published_step(
+    bus: Bus, run_id: str, since: datetime | None = None, *, tenant: str | None = None
+) -> int | None:
     """The step of the newest RolloutBatch of ``run_id`` on the stream, or None.
 
     A batch stored before ``since`` (the start of this incarnation of the run id) does not count.
+    ``tenant`` defaults to the tenant this process acts for.
     """
-    try:
-        raw = await bus.js.get_last_msg(ROLLOUTS_STREAM, rollouts_subject(run_id))
-    except NotFoundError:
+    tenant = acting_tenant(tenant)
+    subject = tenant_rollouts_subject(run_id, tenant)
+    stored = await last_message(bus, ROLLOUTS_STREAM, subject, tenant=tenant)
+    if stored is None:
         return None
-    if since is not None and raw.time is not None and raw.time < since:
+    if since is not None and stored.time is not None and stored.time < since:
         return None
     try:
-        batch: RolloutBatch = decode(
-            raw.data or b"", RolloutBatch, (raw.headers or {}).get("Content-Type")
-        )
+        batch: RolloutBatch = decode(stored.data, RolloutBatch, stored.headers.get("Content-Type"))
     except DecodeError:
         # Not ours to judge: the trainer terminates and reports it. The message id still says
         # which step it claims to be.
-        return _step_from_msg_id((raw.headers or {}).get("Nats-Msg-Id", ""))
+        return _step_from_msg_id(stored.headers.get("Nats-Msg-Id", ""))
     return batch.step
 
 

@@ -4,8 +4,9 @@
 bound): it sends one GenerateRequest per prompt, all at once (at most
 ``max_concurrent_requests`` in flight), checks each reply, scores the completions and computes
 advantages in a worker thread (an environment's scorer may be slow, and the event loop must keep
-following evictions and weight announcements meanwhile), and publishes the RolloutBatch with
-message id ``<run_id>/step_<n>``. Only then, in this order, does it append the step's metrics
+following evictions and weight announcements meanwhile), and publishes the RolloutBatch on the
+run's rollouts subject (``plexrl.rollouts[.<tenant>].<run_id>``) with message id
+``<run_id>/step_<n>``. Only then, in this order, does it append the step's metrics
 line and write the checkpoint: a crash between the publish and the checkpoint is covered by the
 stream on restart (see :mod:`services.orchestrator.state`).
 
@@ -24,12 +25,13 @@ from typing import Any
 
 from schemas.config import OrchConfig
 from schemas.events import Completion, GenerateRequest, RolloutBatch
-from schemas.subjects import rollout_msg_id, rollouts_subject
+from schemas.subjects import rollout_msg_id, tenant_rollouts_subject
 from services.bus import Bus
 from services.bus.tracing import tracer
 from services.envs import Environment
 from services.orchestrator import rollouts
 from services.orchestrator.client import GenerateClient, GenerationStopped
+from services.orchestrator.lifecycle import acting_tenant
 from services.orchestrator.metrics import StepMetrics, append_metrics, metrics_path, step_metrics
 from services.orchestrator.state import OrchestratorCheckpoint, checkpoint_path, write_checkpoint
 from services.telemetry.metrics import record_step
@@ -42,7 +44,10 @@ class ScoringError(RuntimeError):
 
 
 class StepRunner:
-    """Generates, scores, publishes and records the steps of one run (one incarnation)."""
+    """Generates, scores, publishes and records the steps of one run (one incarnation).
+
+    ``tenant`` (default: the tenant this process acts for) picks the rollouts subject.
+    """
 
     def __init__(
         self,
@@ -56,9 +61,11 @@ class StepRunner:
         output_dir: Path,
         incarnation: int,
         max_concurrent_requests: int = 64,
+        tenant: str | None = None,
     ) -> None:
         self.bus = bus
         self.run_id = run_id
+        self.subject = tenant_rollouts_subject(run_id, acting_tenant(tenant))
         self.config = config
         self.env = env
         self.tokenizer = tokenizer
@@ -95,7 +102,7 @@ class StepRunner:
                 batch = await asyncio.to_thread(self._score, step, planned, groups, versions)
             span.set_attribute("policy_version", batch.policy_version)
             ack = await self.bus.publish(
-                rollouts_subject(self.run_id), batch, msg_id=rollout_msg_id(self.run_id, step)
+                self.subject, batch, msg_id=rollout_msg_id(self.run_id, step)
             )
         if ack.duplicate:
             # Harmless (the stream kept the first copy), but it means a resume started too early.

@@ -1,7 +1,8 @@
 """The newest policy version the trainer has announced for one run.
 
 The trainer announces version ``v`` of a run's adapter with ``WeightsReady(step=v)`` on
-``plexrl.weights.<run_id>`` once the weights are stored, so inference can load them; version 0
+``plexrl.weights.<run_id>`` (``plexrl.weights.<tenant>.<run_id>`` for a run of a tenant other
+than ``default``) once the weights are stored, so inference can load them; version 0
 (the base model, LoRA B = 0) needs no announcement. :class:`PolicyVersions` replays the few
 announcements the stream keeps per run and follows new ones with a
 :class:`~services.bus.Follower`, so ``latest`` is right from the start even for an orchestrator
@@ -20,22 +21,34 @@ import logging
 from datetime import datetime
 
 from schemas.events import WeightsReady
-from schemas.subjects import WEIGHTS_STREAM, weights_subject
+from schemas.subjects import WEIGHTS_STREAM, tenant_weights_subject
 from services.bus import Bus, Follower, MessageMeta
+from services.orchestrator.lifecycle import acting_tenant
 
 log = logging.getLogger(__name__)
 
 
 class PolicyVersions:
-    """Tracks ``latest``, the highest ``WeightsReady.step`` seen for ``run_id`` (0 before any)."""
+    """Tracks ``latest``, the highest ``WeightsReady.step`` seen for ``run_id`` (0 before any).
 
-    def __init__(self, bus: Bus, run_id: str, *, since: datetime | None = None) -> None:
+    ``tenant`` (default: the tenant this process acts for) picks the run's weights subject.
+    """
+
+    def __init__(
+        self, bus: Bus, run_id: str, *, since: datetime | None = None, tenant: str | None = None
+    ) -> None:
         self.bus = bus
         self.run_id = run_id
         self.since = since
+        self.tenant = acting_tenant(tenant)
         self.latest = 0
         self._follower: Follower[WeightsReady] = Follower(
-            bus, WEIGHTS_STREAM, weights_subject(run_id), WeightsReady, self._on_event
+            bus,
+            WEIGHTS_STREAM,
+            tenant_weights_subject(run_id, self.tenant),
+            WeightsReady,
+            self._on_event,
+            tenant=self.tenant,
         )
 
     async def start(self) -> None:

@@ -32,7 +32,7 @@ from services.up.drive import drive_runs
 from services.up.settings import UpSettings, default_cache_dir
 from services.up.supervisor import ChildFailed, Supervisor
 from services.up.sweep import SweepRun
-from services.up.view import plot_rewards, summary_table
+from services.up.view import plot_rewards, summary_record, summary_table
 
 log = logging.getLogger(__name__)
 
@@ -144,15 +144,12 @@ async def run_up(
     if name is not None:
         report_sweep(planned, driven, name, output_dir, console)
     else:
-        console.print(summary_table(driven.views))
+        wide = console
+        if not console.is_terminal:  # a log or a pipe: wide enough that no column is cut
+            wide = Console(file=console.file, width=max(console.width, 180))
+        wide.print(summary_table(driven.views))
     summary = {
-        r.run_id: {
-            "status": r.status,
-            "steps": len(v.rows),
-            "reward_first_20pct": v.window_means()[0],
-            "reward_last_20pct": v.window_means()[1],
-            "reason": r.reason,
-        }
+        r.run_id: {"status": r.status} | summary_record(v) | {"reason": r.reason}
         for r, v in zip(driven.results, driven.views, strict=True)
     }
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

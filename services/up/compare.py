@@ -1,10 +1,11 @@
 """The end of a sweep: one row per run, written to ``sweep.json`` and ``sweep.csv``, and one PNG
 overlaying every run's reward curve.
 
-Columns: the run, each varied value, its status, steps trained, the mean reward over the first
-and last 20% of its steps, steps per second (from the first to the last step's time stamp in
-``metrics.jsonl``) and the mean policy lag. The built-in environments have no held-out split, so
-there is no held-out reward column.
+Columns: the run, each varied value, its status, steps trained, the mean training reward over
+the first and last 20% of its steps, the held-out evaluation (the base's best, the policy's
+greedy reward at its last evaluation and ``gain`` = held-out greedy - base best: see
+:mod:`services.up.view`), the mean sampling entropy over the last 20% of steps, steps per second
+(from the first to the last step's time stamp in ``metrics.jsonl``) and the mean policy lag.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def comparison_rows(planned: list[SweepRun], driven: Driven) -> list[dict[str, A
     rows = []
     for run, view, result in zip(planned, driven.views, driven.results, strict=True):
         first, last = view.window_means()
+        held = view.heldout()
         status = "evicted (early stop)" if run.run_id in driven.early_stopped else result.status
         rows.append(
             {"run_id": run.run_id}
@@ -58,6 +60,10 @@ def comparison_rows(planned: list[SweepRun], driven: Driven) -> list[dict[str, A
                 "steps": len(view.rows),
                 "reward_first_20pct": _num(first),
                 "reward_last_20pct": _num(last),
+                "base_best": held.get("base_best"),
+                "heldout_greedy": held.get("heldout_greedy"),
+                "heldout_gain": held.get("gain"),
+                "entropy": _num(view.recent("entropy_mean")),
                 "steps_per_s": _steps_per_s(view),
                 "policy_lag_mean": _mean([float(r["policy_lag"]) for r in view.rows]),
                 "reason": result.reason,
@@ -96,7 +102,8 @@ def write_comparison(rows: list[dict[str, Any]], out_dir: Path, name: str) -> tu
 
 def comparison_table(rows: list[dict[str, Any]], varied: list[str], title: str) -> Table:
     table = Table(title=title)
-    heads = ["run", *varied, "status", "steps", "first 20%", "last 20%", "steps/s", "lag"]
+    heads = ["run", *varied, "status", "steps", "first 20%", "last 20%", "base best", "held-out"]
+    heads += ["gain", "entropy", "steps/s", "lag"]
     for head in heads:
         left = head in ("run", "status")
         table.add_column(head, justify="left" if left else "right", no_wrap=left)
@@ -108,6 +115,10 @@ def comparison_table(rows: list[dict[str, Any]], varied: list[str], title: str) 
             str(row["steps"]),
             _cell(row["reward_first_20pct"], ".3f"),
             _cell(row["reward_last_20pct"], ".3f"),
+            _cell(row.get("base_best"), ".3f"),
+            _cell(row.get("heldout_greedy"), ".3f"),
+            _cell(row.get("heldout_gain"), "+.3f"),
+            _cell(row.get("entropy"), ".2f"),
             _cell(row["steps_per_s"], ".2f"),
             _cell(row["policy_lag_mean"], ".2f"),
         )

@@ -120,6 +120,9 @@ class UpSettings(BaseModel):
             "optim": {"lr": FULL_WEIGHTS_LR if self.full_weights else 2e-3},
             "sampling": {"temperature": 1.0, "max_tokens": 10},
             "ckpt": {"interval": 10},
+            # Held-out evaluation every 20 steps and after the last (the base once, before the
+            # first): about a tenth of the run's generation at the default 40 steps.
+            "eval": {"interval": 20},
         }
         pinned = {"env": env, "max_steps": self.steps, "max_async_level": self.max_async_level}
         return _deep_merge(base, self.run) | pinned

@@ -69,5 +69,6 @@ def orch_config(**overrides: Any) -> OrchConfig:
         "group_size": 2,
         "max_async_level": 1,
         "sampling": {"temperature": 1.0, "max_tokens": 4},
+        "eval": {"interval": 0},  # these tests count requests; test_eval*.py evaluates
     }
     return OrchConfig.model_validate(base | overrides)

@@ -40,7 +40,7 @@ def test_request_seeds_are_stable_distinct_and_31_bit() -> None:
 
 
 def test_plan_and_request_carry_the_run_settings(tokenizer: Any) -> None:
-    config = orch_config(batch_size=3, group_size=5, sampling={"temperature": 0.7, "top_p": 0.9})
+    config = orch_config(batch_size=3, group_size=5, sampling={"temperature": 0.7, "top_p": 1.0})
     env = load_environment("reverse", seed=7)
     planned = rollouts.plan_step(env, tokenizer, 4, 3)
     assert [p.index for p in planned] == [12, 13, 14]
@@ -49,7 +49,7 @@ def test_plan_and_request_carry_the_run_settings(tokenizer: Any) -> None:
     assert request.run_id == RUN
     assert request.prompts == [planned[1].token_ids]
     assert request.n == 5
-    assert (request.temperature, request.top_p, request.max_tokens) == (0.7, 0.9, 16)
+    assert (request.temperature, request.top_p, request.max_tokens) == (0.7, 1.0, 16)
     assert request.min_policy_version == 3
     assert request.seed == rollouts.request_seed(7, 4, 13)
     assert request.timeout_s == 30.0

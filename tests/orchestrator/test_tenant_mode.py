@@ -1,0 +1,348 @@
+"""An orchestrator acting for a tenant, under the broker's per-user permissions.
+
+The nats-server below has three users in one account: ``svc`` (the services: every subject) and
+the tenants ``acme`` and ``beta``, each allowed its own subjects only. The registry runs as
+``svc``; the orchestrator connects as ``acme`` with ``PLEXRL_TENANT=acme``, so anything it did
+outside acme's subjects (a KV read, a consumer on the whole runs stream, a plain inbox) would be
+a permission violation reported to its connection's error callback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+from nats.js import api
+
+from schemas import subjects as sj
+from schemas.codec import decode
+from schemas.events import RolloutBatch, RunDiscovered, RunEvicted
+from schemas.tenant import inbox_prefix
+from services.bus import Bus, Follower, MessageMeta
+from services.bus.server import find_nats_server, free_port
+from services.config.tenants import TenantQuota, TenantsFile
+from services.orchestrator.lifecycle import RunRejected, RunRemoved, RunWatch, admit
+from services.orchestrator.run_loop import RunOrchestrator
+from services.orchestrator.state import last_published_step, read_progress
+from services.registry.service import Registry
+from services.registry.settings import RegistrySettings
+from services.tenants.permissions import tenant_permissions as production_permissions
+
+from .conftest import orch_config
+from .replica import ScriptedReplica, eventually, fake_weights
+
+RUN = "run_orch"
+PASSWORD = "pw"
+
+
+def tenant_permissions(t: str) -> dict[str, Any]:
+    """The production permission lists of tenant ``t`` (services/tenants/permissions.py)."""
+    perms = production_permissions(t)
+    return {
+        "publish": {"allow": list(perms.publish or ())},
+        "subscribe": {"allow": list(perms.subscribe or ())},
+    }
+
+
+def server_config(store: Path, port: int) -> str:
+    users = [{"user": "svc", "password": PASSWORD}] + [
+        {"user": t, "password": PASSWORD, "permissions": tenant_permissions(t)}
+        for t in ("acme", "beta")
+    ]
+    return (
+        f"listen: 127.0.0.1:{port}\n"
+        f'jetstream {{\n  store_dir: "{store}"\n}}\n'
+        f"authorization {{\n  users: {json.dumps(users)}\n}}\n"
+    )
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[int]:
+    """A permissioned nats-server; yields its port."""
+    port = free_port()
+    conf = tmp_path / "nats.conf"
+    conf.write_text(server_config(tmp_path / "js", port))
+    log = open(tmp_path / "nats-server.log", "ab")  # noqa: SIM115 - lives with the process
+    proc = subprocess.Popen([find_nats_server(), "-c", str(conf)], stdout=log, stderr=log)
+    log.close()
+    yield port
+    proc.kill()
+    proc.wait()
+
+
+def url(port: int, user: str = "svc") -> str:
+    return f"nats://{user}:{PASSWORD}@127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def svc(broker: int) -> AsyncIterator[Bus]:
+    for _ in range(100):  # the server needs a moment to listen
+        try:
+            b = await Bus.connect(url(broker), "test")
+            break
+        except Exception:
+            await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the permissioned nats-server did not start")
+    yield b
+    await b.close()
+
+
+@pytest.fixture
+async def registry(broker: int, svc: Bus, out: Path) -> AsyncIterator[Registry]:
+    rbus = await Bus.connect(url(broker), "registry")
+    tenants = TenantsFile(tenants={"acme": TenantQuota(), "beta": TenantQuota()})
+    settings = RegistrySettings(output_dir=out, max_runs=4, scan_interval=3600.0)
+    reg = Registry(rbus, settings, tenants=tenants)
+    await reg.start()
+    yield reg
+    await reg.stop()
+    await rbus.close()
+
+
+class TenantConnection:
+    """A tenant's own connection, as its credentials allow: its inbox prefix, its errors kept."""
+
+    def __init__(self) -> None:
+        self.errors: list[Exception] = []
+        self.bus: Bus | None = None
+
+    async def open(self, port: int, tenant: str) -> Bus:
+        async def on_error(exc: Exception) -> None:
+            self.errors.append(exc)
+
+        nc = await nats.connect(
+            url(port, tenant),
+            inbox_prefix=inbox_prefix(tenant),
+            error_cb=on_error,
+            allow_reconnect=False,
+        )
+        self.bus = Bus(nc, "orchestrator")
+        return self.bus
+
+    def violations(self) -> list[str]:
+        return [str(e) for e in self.errors if "permissions violation" in str(e).lower()]
+
+
+@pytest.fixture
+async def acme(broker: int, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[TenantConnection]:
+    monkeypatch.setenv("PLEXRL_TENANT", "acme")
+    conn = TenantConnection()
+    await conn.open(broker, "acme")
+    yield conn
+    assert conn.bus is not None
+    await conn.bus.close()
+
+
+class TenantReplica(ScriptedReplica):
+    """The scripted replica (a services user) serving one tenant's generate subject."""
+
+    def __init__(self, bus: Bus, run_id: str, tenant: str) -> None:
+        super().__init__(bus, run_id)
+        self.tenant = tenant
+
+    async def start(self) -> TenantReplica:
+        self._subs.append(
+            await self.bus.nc.subscribe(
+                sj.generate_subject(self.tenant),
+                queue=sj.INFERENCE_QUEUE_GROUP,
+                cb=self._on_request,
+            )
+        )
+        self._subs.append(
+            await self.bus.js.subscribe(
+                sj.tenant_weights_subject(self.run_id, self.tenant),
+                stream=sj.WEIGHTS_STREAM,
+                cb=self._on_weights,
+                ordered_consumer=True,
+                deliver_policy=api.DeliverPolicy.ALL,
+            )
+        )
+        await self.bus.nc.flush()
+        return self
+
+
+async def stored(bus: Bus, stream: str) -> list[tuple[str, bytes]]:
+    """(subject, data) of every message of ``stream``, read with the services' rights."""
+    info = await bus.js.stream_info(stream)
+    out = []
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        raw = await bus.js.get_msg(stream, seq)
+        out.append((raw.subject or "", raw.data or b""))
+    return out
+
+
+async def trainer_stand_in(svc: Bus, tenant: str, stop: asyncio.Event) -> None:
+    """Announce version ``n + 1`` on the tenant's weights subject for each batch ``n``."""
+    seen: list[RolloutBatch] = []
+
+    def on_batch(_seq: int, batch: RolloutBatch, _meta: MessageMeta) -> None:
+        seen.append(batch)
+
+    follower: Follower[RolloutBatch] = Follower(
+        svc,
+        sj.ROLLOUTS_STREAM,
+        sj.tenant_rollouts_subject(RUN, tenant),
+        RolloutBatch,
+        on_batch,
+        tenant="default",
+    )
+    await follower.start()
+    try:
+        announced = 0
+        while not stop.is_set():
+            while announced < len(seen):
+                step = seen[announced].step + 1
+                await svc.publish(
+                    sj.tenant_weights_subject(RUN, tenant),
+                    fake_weights(RUN, step),
+                    msg_id=f"{RUN}/w/{step}",
+                )
+                announced += 1
+            pending = announced
+            await follower.wait(lambda: len(seen) > pending, timeout=0.1)  # noqa: B023
+    finally:
+        await follower.stop()
+
+
+async def test_a_tenant_orchestrator_runs_on_its_own_subjects(
+    broker: int, svc: Bus, registry: Registry, acme: TenantConnection, out: Path, tokenizer: Any
+) -> None:
+    replica = await TenantReplica(svc, RUN, "acme").start()
+    stop_trainer = asyncio.Event()
+    trainer = asyncio.create_task(trainer_stand_in(svc, "acme", stop_trainer))
+    assert acme.bus is not None
+    try:
+        orch = RunOrchestrator(
+            acme.bus,
+            RUN,
+            orch_config(max_async_level=0),
+            output_dir=out,
+            tokenizer=tokenizer,
+            request_timeout=5.0,
+        )
+        result = await asyncio.wait_for(orch.run(asyncio.Event()), 60)
+    finally:
+        stop_trainer.set()
+        await trainer
+        await replica.stop()
+    assert (result.status, result.steps_published, result.policy_version) == ("done", 3, 3)
+    assert acme.errors == [], acme.errors
+
+    rollouts = await stored(svc, sj.ROLLOUTS_STREAM)
+    assert [s for s, _ in rollouts] == [f"plexrl.rollouts.acme.{RUN}"] * 3
+    assert [decode(d, RolloutBatch).step for _, d in rollouts] == [0, 1, 2]
+    runs = await stored(svc, sj.RUNS_STREAM)
+    assert [s for s, _ in runs] == ["plexrl.runs.acme.submit", "plexrl.runs.acme.discovered"]
+    discovered: RunDiscovered = decode(runs[1][1], RunDiscovered)
+    assert (discovered.run_id, discovered.tenant) == (RUN, "acme")
+    assert len(replica.requests) == 3 * 2  # one request per prompt, two prompts per step
+    # max_async_level 0: step n waited for version n, announced on acme's weights subject
+    assert sorted({r.min_policy_version for r in replica.requests}) == [0, 1, 2]
+
+    # The resume witnesses a tenant may read: the stream's last batch through a consumer of
+    # its own subject, the trainer's progress through the registry's list (none written here).
+    assert await last_published_step(acme.bus, RUN) == 2
+    assert await read_progress(acme.bus, RUN) is None
+    assert acme.errors == [], acme.errors
+
+
+async def test_the_broker_keeps_another_tenants_rollouts_out_of_reach(
+    broker: int, svc: Bus, acme: TenantConnection
+) -> None:
+    """The permissions above are in force: beta cannot read acme's rollouts, acme can."""
+    assert acme.bus is not None
+    assert await last_published_step(acme.bus, RUN, tenant="acme") is None  # nothing yet
+    batch = RolloutBatch(run_id=RUN, step=4, policy_version=0, samples=[])
+    await svc.publish(sj.tenant_rollouts_subject(RUN, "acme"), batch)
+    assert await last_published_step(acme.bus, RUN, tenant="acme") == 4
+    beta = TenantConnection()
+    beta_bus = await beta.open(broker, "beta")
+    try:
+        with pytest.raises(Exception):  # noqa: B017 - the reply never comes: a timeout
+            await last_published_step(beta_bus, RUN, tenant="acme")
+        await eventually(lambda: _async(beta.violations()), timeout=5.0)
+        assert "plexrl.rollouts.acme" in beta.violations()[0]
+    finally:
+        await beta_bus.close()
+    assert acme.errors == []
+
+
+async def _async(value: Any) -> Any:
+    return value
+
+
+async def test_a_lifecycle_event_naming_another_tenant_is_ignored(
+    svc: Bus, acme: TenantConnection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The subject says acme (the broker vouches for it); a body that says beta is not trusted."""
+    forged = RunDiscovered(run_id=RUN, idx=0, config={}, tenant="beta")
+    await svc.publish(sj.runs_subject("discovered", "acme"), forged)
+    honest = RunEvicted(run_id=RUN, idx=0, reason="quota", tenant="acme")
+    await svc.publish(sj.runs_subject("evicted", "acme"), honest)
+    # the default tenant's subjects are not acme's to follow
+    await svc.publish(sj.EVICTED, RunEvicted(run_id=RUN, idx=0, reason="other tenant"))
+    assert acme.bus is not None
+    watch = RunWatch(acme.bus, RUN)
+    await watch.start()
+    try:
+        assert watch.tenant == "acme"
+        assert [e.event for e in watch.entries] == [honest]
+        assert "names tenant 'beta'" in caplog.text
+    finally:
+        await watch.stop()
+    assert acme.errors == []
+
+
+async def test_without_a_registry_admission_goes_by_the_lifecycle_events(
+    svc: Bus, acme: TenantConnection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No registry answers the list: an eviction on acme's subjects still ends the run, with
+    its reason, and nothing is submitted; the trainer witness is missing, not an error."""
+    await svc.publish(
+        sj.runs_subject("evicted", "acme"),
+        RunEvicted(run_id=RUN, idx=1, reason="diverged", tenant="acme"),
+    )
+    assert acme.bus is not None
+    watch = RunWatch(acme.bus, RUN)
+    await watch.start()
+    try:
+        with pytest.raises(RunRemoved, match="diverged"):
+            await admit(acme.bus, watch, orch_config(), submitted_by="t", stop=asyncio.Event())
+    finally:
+        await watch.stop()
+    assert "no registry answers on plexrl.registry.acme.list" in caplog.text
+    assert [s for s, _ in await stored(svc, sj.RUNS_STREAM)] == ["plexrl.runs.acme.evicted"]
+    assert await read_progress(acme.bus, RUN) is None
+    assert "trainer progress unknown" in caplog.text
+    assert acme.errors == []
+
+
+async def test_a_held_run_with_another_config_is_refused_for_a_tenant(
+    broker: int, svc: Bus, registry: Registry, acme: TenantConnection
+) -> None:
+    """The registry's row says active; the RunDiscovered says which config: not this one."""
+    assert acme.bus is not None
+    first = orch_config()
+    watch = RunWatch(acme.bus, RUN)
+    await watch.start()
+    try:
+        admission = await asyncio.wait_for(
+            admit(acme.bus, watch, first, submitted_by="t", stop=asyncio.Event()), 30
+        )
+        assert admission is not None
+        with pytest.raises(RunRejected, match="different config"):
+            await admit(
+                acme.bus, watch, orch_config(seed=8), submitted_by="t", stop=asyncio.Event()
+            )
+    finally:
+        await watch.stop()
+    submits = [s for s, _ in await stored(svc, sj.RUNS_STREAM) if s.endswith(".submit")]
+    assert submits == ["plexrl.runs.acme.submit"]  # the refused config was never submitted
+    assert acme.errors == []
