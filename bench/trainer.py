@@ -19,6 +19,11 @@ projection. Samples: 8 runs x 4 sequences x 128 tokens (32 prompt + 96 completio
     memory on a GPU). On a CPU with more cores than ``--threads``, also each side given the
     whole machine: the one trainer a thread per core, the four trainers a quarter each.
 
+(d) model families, with ``--families all`` (or a comma-separated list of
+    services/model/families.py's names): (b)'s ratio for each family's architecture at the same
+    shape (hidden 256, 4 layers, MLP 768; a mixture of experts: 4 experts, 2 per token, each
+    384 wide), LoRA on the family's default targets. ``--families-only`` skips (a) to (c).
+
 In (c) every run's batch holds 16 samples of 128 tokens. Each timing is the median of
 ``--repeats`` after a warm-up, the functions compared taking turns in every round so that a
 machine shared with other work slows them alike. CPU by default, ``--device cuda`` on a GPU.
@@ -31,6 +36,7 @@ cores are as busy with a 512-token pass as with a 4,096-token one, (a) and the s
 therefore sit near 1x once a run's share of the batch is large; they grow as it shrinks.
 
     .venv/bin/python bench/trainer.py [--repeats 5] [--threads N] [--steps 6] [--device cuda]
+        [--families all [--families-only]]
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ import torch
 
 from schemas.config import orch_config_from_dict
 from schemas.events import RolloutBatch, Sample
+from services.model.families import FAMILIES, FamilyShape, tiny_family_model
 from services.model.host import tune_allocator
 from services.model.lora import DEFAULT_TARGET_MODULES, MultiLoRA, MultiLoRALinear
 from services.model.tiny import TinySpec, tiny_config
@@ -171,6 +178,58 @@ def bench_forward_backward(repeats: int, rows_per_run: int, seq: int, prompt: in
             f"bare base model: {t_bare * 1e3:.1f} ms; target <= 1.3x",
         ),
     ]
+
+
+def bench_families(repeats: int, families: list[str]) -> list[Row]:
+    """(b)'s ratio, multi-adapter over bare base forward+backward, for each family."""
+    vocab = tiny_config(SPEC).vocab_size
+    shape = FamilyShape(
+        vocab_size=vocab,
+        hidden_size=SPEC.hidden_size,
+        intermediate_size=SPEC.intermediate_size,
+        num_hidden_layers=SPEC.num_hidden_layers,
+        num_attention_heads=SPEC.num_attention_heads,
+        num_key_value_heads=SPEC.num_key_value_heads,
+        max_position_embeddings=SPEC.max_position_embeddings,
+    )
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, vocab, (RUNS * ROWS_PER_RUN, SEQ), generator=gen).to(DEVICE)
+    slots = torch.arange(RUNS).repeat_interleave(ROWS_PER_RUN).to(DEVICE)
+    rows: list[Row] = []
+    for family in families:
+        multi = tiny_family_model(family, seed=0, shape=shape).to(DEVICE)
+        bare = copy.deepcopy(multi).requires_grad_(False)
+        lora = MultiLoRA.attach(multi, n_adapters=RUNS, max_rank=RANK)
+        for s in range(RUNS):
+            lora.reset_slot(s, RANK, 2.0 * RANK, seed=s)
+            with torch.no_grad():
+                for layer in lora.layers.values():
+                    layer.lora_B[s].normal_(0, 0.02, generator=gen.manual_seed(s))
+        embed = bare.get_input_embeddings()
+
+        def multi_step(model: Any = multi, lora: MultiLoRA = lora) -> None:
+            with lora.use(slots):
+                token_mean_loss(model(input_ids=ids).logits, ids, PROMPT).backward()
+            for s in range(RUNS):
+                for p in lora.slot_parameters(s):
+                    p.grad = None
+
+        def bare_step(model: Any = bare, embed: Any = embed) -> None:
+            x = embed(ids).detach().requires_grad_(True)
+            token_mean_loss(model(inputs_embeds=x).logits, ids, PROMPT).backward()
+
+        t = median_times({"multi": multi_step, "bare": bare_step}, repeats)
+        targets = ", ".join(lora.target_modules)
+        rows.append(
+            (
+                f"(d) {family} ({multi.config.model_type}): multi-adapter over bare fwd+bwd, "
+                f"LoRA on {targets}",
+                f"{t['multi'] * 1e3:.1f} ms",
+                t["multi"] / t["bare"],
+                f"bare base model: {t['bare'] * 1e3:.1f} ms; target <= 1.3x",
+            )
+        )
+    return rows
 
 
 def bench_layer(repeats: int) -> list[Row]:
@@ -360,17 +419,34 @@ def main() -> None:
         help="torch threads of every process (default: the trainer's, half the cores)",
     )
     parser.add_argument("--device", default="cpu", help="cpu, or cuda to measure on a GPU")
+    parser.add_argument(
+        "--families",
+        default="",
+        help="(d): 'all' or a comma-separated list of " + ", ".join(FAMILIES) + " (default: none)",
+    )
+    parser.add_argument("--families-only", action="store_true", help="run (d) alone")
     args = parser.parse_args()
+    families = (
+        list(FAMILIES) if args.families == "all" else [f for f in args.families.split(",") if f]
+    )
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        parser.error(f"--families: unknown {unknown}; known: {', '.join(FAMILIES)} or 'all'")
+    if args.families_only and not families:
+        parser.error("--families-only needs --families")
     global DEVICE
     DEVICE = torch.device(args.device)
     if DEVICE.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but torch sees no CUDA device")
     tune_allocator()
     torch.set_num_threads(args.threads)
-    rows = bench_forward_backward(args.repeats, ROWS_PER_RUN, SEQ, PROMPT)
-    rows += bench_forward_backward(args.repeats, 1, 64, 16)
-    rows += bench_layer(args.repeats)
-    rows += bench_trainers(args.steps, args.threads)
+    rows: list[Row] = []
+    if not args.families_only:
+        rows += bench_forward_backward(args.repeats, ROWS_PER_RUN, SEQ, PROMPT)
+        rows += bench_forward_backward(args.repeats, 1, 64, 16)
+        rows += bench_layer(args.repeats)
+        rows += bench_trainers(args.steps, args.threads)
+    rows += bench_families(args.repeats, families)
     where = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "CPU"
     print(
         f"\n{where}, {args.threads} threads, torch {torch.__version__}; model "

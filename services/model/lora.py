@@ -1,6 +1,7 @@
 """Multi-adapter LoRA: one frozen base model, one LoRA adapter slot per run.
 
-Every target ``nn.Linear`` y = W x + b becomes a ``MultiLoRALinear`` with ``n_adapters`` slots.
+Every target ``nn.Linear`` y = W x + b (or transformers' ``Conv1D``, GPT-2's y = x W + b with W
+stored [in, out]; see targets.py) becomes a ``MultiLoRALinear`` with ``n_adapters`` slots.
 Slot s holds A_s in R^{R x in} and B_s in R^{out x R} (R = ``max_rank``), a rank r_s <= R and an
 alpha_s. A token t of a sequence that uses slot s gets
 
@@ -9,7 +10,8 @@ alpha_s. A token t of a sequence that uses slot s gets
 and a token of slot -1 gets W x_t + b alone, bit for bit, which makes the base model the KL
 reference policy at no extra memory. This is PEFT's LoRA (scaling lora_alpha / r, no dropout,
 no rsLoRA, no DoRA); ``slot_state_dict`` exports a slot under PEFT's key names so PEFT and vLLM
-load it as a plain adapter.
+load it as a plain adapter. A slot over a Conv1D has the same A [R, in] and B [out, R] as over
+a Linear: only the base weight is stored transposed, which PEFT records as ``fan_in_fan_out``.
 
 Rank below R. Rows r_s.. of A_s and columns r_s.. of B_s are zero, so the padded product equals
 the rank-r_s one. They stay zero without a mask: dL/dA_s[j] = scale * (B_s[:, j]^T g) x^T vanishes
@@ -49,7 +51,9 @@ import torch
 from torch import nn
 
 from schemas.config import DEFAULT_TARGET_MODULES
+from services.model.peft_io import peft_adapter_config
 from services.model.routing import NO_ADAPTER, AdapterContext, Route
+from services.model.targets import SUPPORTED_LAYERS, find_targets, is_conv1d, lora_dims
 
 __all__ = [
     "DEFAULT_TARGET_MODULES",
@@ -98,7 +102,8 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 class MultiLoRALinear(nn.Module):
-    """A frozen ``nn.Linear`` plus ``n_adapters`` LoRA slots routed by an AdapterContext.
+    """A frozen ``nn.Linear`` or ``Conv1D`` plus ``n_adapters`` LoRA slots routed by an
+    AdapterContext.
 
     Each slot owns two Parameters, ``lora_A[s]`` [max_rank, in] and ``lora_B[s]`` [out,
     max_rank], so each run's optimizer can own exactly its slot. Layers of one model share one
@@ -107,14 +112,15 @@ class MultiLoRALinear(nn.Module):
 
     def __init__(
         self,
-        base: nn.Linear,
+        base: nn.Module,
         n_adapters: int,
         max_rank: int,
         context: AdapterContext | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(base, nn.Linear):
-            raise TypeError(f"MultiLoRALinear wraps nn.Linear, got {type(base).__name__}")
+        dims = lora_dims(base)
+        if dims is None:
+            raise TypeError(f"MultiLoRALinear wraps {SUPPORTED_LAYERS}, got {type(base)}")
         context = context if context is not None else AdapterContext(n_adapters, max_rank)
         if (context.n_adapters, context.max_rank) != (n_adapters, max_rank):
             raise ValueError(
@@ -122,12 +128,14 @@ class MultiLoRALinear(nn.Module):
                 f"the layer wants {n_adapters} of max rank {max_rank}"
             )
         self.base_layer = base.requires_grad_(False)
-        self.in_features = base.in_features
-        self.out_features = base.out_features
+        self.in_features, self.out_features = dims
+        self.fan_in_fan_out = is_conv1d(base)
+        """True over a Conv1D, whose weight is stored [in, out] (PEFT's ``fan_in_fan_out``)."""
         self.n_adapters = n_adapters
         self.max_rank = max_rank
         self.adapter_context = context
-        device, dtype = base.weight.device, base.weight.dtype
+        weight: torch.Tensor = base.weight  # type: ignore[assignment]
+        device, dtype = weight.device, weight.dtype
         self.lora_A = nn.ParameterList(
             nn.Parameter(torch.zeros(max_rank, self.in_features, device=device, dtype=dtype))
             for _ in range(n_adapters)
@@ -243,25 +251,23 @@ class MultiLoRA:
         model: nn.Module,
         n_adapters: int,
         max_rank: int,
-        target_modules: Sequence[str] = DEFAULT_TARGET_MODULES,
+        target_modules: Sequence[str] | None = None,
     ) -> MultiLoRA:
-        """Replace the target linears of ``model`` in place and freeze every base parameter.
+        """Replace the target layers of ``model`` in place and freeze every base parameter.
 
         A module is a target when its name equals an entry or ends with ``.`` + entry, as in
-        PEFT. Every slot starts initialised at ``max_rank`` with alpha = max_rank.
+        PEFT; every target must be an ``nn.Linear`` or a ``Conv1D`` (ValueError naming the
+        module otherwise). ``target_modules`` None takes the family's default
+        (:func:`services.model.families.default_target_modules` of ``model.config``; a model
+        without a config gets ``DEFAULT_TARGET_MODULES``). Every slot starts initialised at
+        ``max_rank`` with alpha = max_rank.
         """
         if any(isinstance(m, MultiLoRALinear) for m in model.modules()):
             raise ValueError("the model already carries multi-LoRA layers")
+        if target_modules is None:
+            target_modules = _family_targets(model)
         context = AdapterContext(n_adapters, max_rank)
-        found = [
-            (name, module)
-            for name, module in model.named_modules()
-            if isinstance(module, nn.Linear) and _is_target(name, target_modules)
-        ]
-        if not found:
-            raise ValueError(
-                f"no nn.Linear module of the model matches target_modules {list(target_modules)}"
-            )
+        found = find_targets(model, target_modules)
         model.requires_grad_(False)
         layers = {}
         for name, module in found:
@@ -279,6 +285,22 @@ class MultiLoRA:
     @property
     def n_adapters(self) -> int:
         return self.context.n_adapters
+
+    @property
+    def fan_in_fan_out(self) -> bool:
+        """Whether the wrapped layers store their weight [in, out] (Conv1D): what a published
+        ``adapter_config.json`` must say for PEFT to load the adapter as it is."""
+        return any(layer.fan_in_fan_out for layer in self.layers.values())
+
+    def adapter_config(self, idx: int, base_model_path: str = "") -> dict[str, object]:
+        """The ``adapter_config.json`` of slot ``idx`` as it stands (rank, alpha, targets)."""
+        return peft_adapter_config(
+            self.slot_rank(idx),
+            self.context.alpha(idx),
+            self.target_modules,
+            base_model_path,
+            fan_in_fan_out=self.fan_in_fan_out,
+        )
 
     @property
     def max_rank(self) -> int:
@@ -370,8 +392,14 @@ class MultiLoRA:
             )
 
 
-def _is_target(name: str, target_modules: Sequence[str]) -> bool:
-    return any(name == t or name.endswith("." + t) for t in target_modules)
+def _family_targets(model: nn.Module) -> tuple[str, ...]:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if not model_type:
+        return DEFAULT_TARGET_MODULES
+    from services.model.families import default_target_modules
+
+    return default_target_modules(model_type)
 
 
 def preview_keys(keys: list[str], limit: int = 4) -> str:

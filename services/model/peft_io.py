@@ -65,8 +65,16 @@ def peft_adapter_config(
     alpha: float,
     target_modules: Sequence[str],
     base_model_path: str = "",
+    *,
+    fan_in_fan_out: bool = False,
 ) -> dict[str, Any]:
-    """An ``adapter_config.json`` that PEFT's ``PeftModel.from_pretrained`` and vLLM accept."""
+    """An ``adapter_config.json`` that PEFT's ``PeftModel.from_pretrained`` and vLLM accept.
+
+    ``fan_in_fan_out`` is True for an adapter over layers that store their weight [in, out]
+    (GPT-2's Conv1D; :attr:`MultiLoRA.fan_in_fan_out <services.model.lora.MultiLoRA>`). The
+    LoRA tensors are laid out the same either way; PEFT reads the flag to merge and to load
+    without a warning.
+    """
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -76,7 +84,7 @@ def peft_adapter_config(
         "lora_dropout": 0.0,
         "target_modules": sorted(set(target_modules)),
         "bias": "none",
-        "fan_in_fan_out": False,
+        "fan_in_fan_out": bool(fan_in_fan_out),
         "use_rslora": False,
         "use_dora": False,
         "init_lora_weights": True,
@@ -97,6 +105,8 @@ def write_peft_dir(
     alpha: float,
     target_modules: Sequence[str],
     base_model_path: str = "",
+    *,
+    fan_in_fan_out: bool = False,
 ) -> Path:
     """Write a PEFT adapter directory at ``path`` atomically; returns the path.
 
@@ -104,7 +114,9 @@ def write_peft_dir(
     so a reader polling ``path`` sees either nothing, the previous adapter or the complete new
     one, never half a file.
     """
-    config = peft_adapter_config(rank, alpha, target_modules, base_model_path)
+    config = peft_adapter_config(
+        rank, alpha, target_modules, base_model_path, fan_in_fan_out=fan_in_fan_out
+    )
 
     def fill(staging: Path) -> None:
         (staging / ADAPTER_WEIGHTS).write_bytes(adapter_to_bytes(state_dict))
