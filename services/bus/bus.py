@@ -1,8 +1,10 @@
 """A service's connection to NATS: typed publish, request/reply and error reports.
 
-``Bus.connect`` reconnects forever once connected (a restarted server is picked up again) and
-fails fast, with a clear :class:`BusUnavailable`, when no server answers at start-up, when the
-server refuses the credentials, or when its TLS certificate cannot be verified.
+``Bus.connect`` reconnects forever once connected (a restarted server is picked up again). Its
+first connection is retried with backoff for as long as the caller allows (``wait``: a
+service waits ``PLEXRL_CONNECT_WAIT_S``, a client command not at all), then fails with a clear
+:class:`BusUnavailable`; a server that refuses the credentials, or whose TLS certificate cannot
+be verified, is that error at once.
 
 Credentials and TLS come from the process settings: ``PLEXRL_NATS_CREDS`` (an nkey seed file
 of ``plexrl tenants add``, or a ``.creds`` file), ``PLEXRL_TLS_CA`` / ``PLEXRL_TLS_CERT`` /
@@ -13,6 +15,7 @@ prefix, the only reply subjects its credentials may subscribe to.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import ssl
 import time
@@ -146,6 +149,102 @@ def _advice_for(reason: str, settings: ProcessSettings) -> str:
     return f"{reason}; PLEXRL_TLS_CA is {settings.tls_ca}"
 
 
+FIRST_RETRY_DELAY, MAX_RETRY_DELAY = 0.25, 5.0
+"""seconds between tries of a first connection: 0.25, doubling up to 5"""
+
+ADVICE = (
+    "Start one with `plexrl up` (embedded) or `nats-server -js`, or point --nats-url / "
+    "PLEXRL_NATS_URL at a running server."
+)
+
+
+class _Unreachable(BusUnavailable):
+    """No server answered (yet): worth another try while the caller is willing to wait."""
+
+
+async def _open(
+    servers: list[str],
+    url: str,
+    service: str,
+    settings: ProcessSettings,
+    options: dict[str, Any],
+    connect_timeout: float,
+) -> tuple[NATS, list[Bus]]:
+    """One try at a first connection: the client and the list its disconnect callback reads
+    (the caller puts the Bus there). :class:`_Unreachable` when nothing answers,
+    :class:`BusUnavailable` when the server refuses this client for good."""
+    # nats-py retries a failed first connect forever when reconnects are unlimited, so probe
+    # first: no server listening is an immediate, clear error instead of a hang.
+    if not await _any_reachable(servers, connect_timeout):
+        raise _Unreachable(
+            f"cannot reach NATS at {url}: nothing accepts connections there. {ADVICE}"
+        )
+
+    refused: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def _on_error(exc: Exception) -> None:
+        reason = _refusal(exc)
+        if reason and not refused.done():
+            refused.set_result(reason)  # read only while the first connect is under way
+        if "permissions violation" in str(exc).lower():
+            log.warning("%s: NATS refused an operation: %s", service, exc)
+        elif reason:
+            log.warning("%s: NATS connection refused: %s", service, reason)
+        else:
+            log.debug("%s: NATS connection error: %s", service, exc)
+
+    closing: list[Bus] = []  # filled by the caller; a deliberate close is not worth a warning
+
+    async def _on_disconnect() -> None:
+        if not (closing and closing[0]._closing):
+            log.warning("%s: disconnected from NATS, reconnecting", service)
+
+    async def _on_reconnect() -> None:
+        log.info("%s: reconnected to NATS", service)
+
+    nc = NATS()
+    behaviour: dict[str, Any] = {
+        "name": f"plexrl-{service}",
+        "connect_timeout": connect_timeout,
+        "allow_reconnect": True,
+        "max_reconnect_attempts": -1,
+        "reconnect_time_wait": 0.25,
+        "error_cb": _on_error,
+        "disconnected_cb": _on_disconnect,
+        "reconnected_cb": _on_reconnect,
+    }
+    connecting = asyncio.ensure_future(nc.connect(servers, **behaviour, **options))
+    waiting: set[asyncio.Future[Any]] = {connecting, refused}
+    done, _ = await asyncio.wait(
+        waiting, timeout=connect_timeout * 3, return_when=asyncio.FIRST_COMPLETED
+    )
+    if connecting not in done:
+        connecting.cancel()
+        await asyncio.gather(connecting, return_exceptions=True)
+        await nc.close()
+        reason = refused.result() if refused.done() else None
+        if reason is not None:
+            raise BusUnavailable(f"NATS at {url}: {_advice_for(reason, settings)}")
+        raise _Unreachable(
+            f"cannot reach NATS at {url} (no answer within {connect_timeout * 3:g}s). {ADVICE}"
+        )
+    try:
+        connecting.result()
+    except (NoServersError, OSError) as exc:
+        with contextlib.suppress(Exception):
+            await nc.close()
+        raise _Unreachable(
+            f"cannot reach NATS at {url} ({exc.__class__.__name__}: {exc}). {ADVICE}"
+        ) from None
+    if "tls" in options and not nc._server_info.get("tls_required"):
+        await nc.close()
+        raise BusUnavailable(
+            f"NATS at {url} does not speak TLS, but PLEXRL_TLS_* is set: refusing to send "
+            "credentials and data in the clear"
+        )
+    return nc, closing
+
+
 class Bus:
     """One NATS connection, its JetStream context, and the name of the service using it."""
 
@@ -167,82 +266,40 @@ class Bus:
         connect_timeout: float = 5.0,
         provision_streams: bool = True,
         fmt: Format = "json",
+        wait: float = 0.0,
     ) -> Bus:
-        """Connect to ``url`` (comma-separated for a cluster) and provision streams and buckets."""
+        """Connect to ``url`` (comma-separated for a cluster) and provision streams and buckets.
+
+        While no server answers, retry for up to ``wait`` seconds (0: fail at once), waiting
+        0.25 s, then twice as long each time up to 5 s, and logging each wait. A server that
+        refuses the credentials or the TLS handshake is never retried.
+        """
         servers = [u.strip() for u in url.split(",") if u.strip()]
         settings = process_settings()
         options = connect_options(settings)
-        advice = (
-            "Start one with `plexrl up` (embedded) or `nats-server -js`, or point --nats-url / "
-            "PLEXRL_NATS_URL at a running server."
-        )
-        # nats-py retries a failed first connect forever when reconnects are unlimited, so probe
-        # first: no server listening is an immediate, clear error instead of a hang.
-        if not await _any_reachable(servers, connect_timeout):
-            raise BusUnavailable(
-                f"cannot reach NATS at {url}: nothing accepts connections there. {advice}"
-            )
-
-        refused: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-
-        async def _on_error(exc: Exception) -> None:
-            reason = _refusal(exc)
-            if reason and not refused.done():
-                refused.set_result(reason)  # read only while the first connect is under way
-            if "permissions violation" in str(exc).lower():
-                log.warning("%s: NATS refused an operation: %s", service, exc)
-            elif reason:
-                log.warning("%s: NATS connection refused: %s", service, reason)
-            else:
-                log.debug("%s: NATS connection error: %s", service, exc)
-
-        closing: list[Bus] = []  # filled below; a deliberate close is not worth a warning
-
-        async def _on_disconnect() -> None:
-            if not (closing and closing[0]._closing):
-                log.warning("%s: disconnected from NATS, reconnecting", service)
-
-        async def _on_reconnect() -> None:
-            log.info("%s: reconnected to NATS", service)
-
-        nc = NATS()
-        behaviour: dict[str, Any] = {
-            "name": f"plexrl-{service}",
-            "connect_timeout": connect_timeout,
-            "allow_reconnect": True,
-            "max_reconnect_attempts": -1,
-            "reconnect_time_wait": 0.25,
-            "error_cb": _on_error,
-            "disconnected_cb": _on_disconnect,
-            "reconnected_cb": _on_reconnect,
-        }
-        connecting = asyncio.ensure_future(nc.connect(servers, **behaviour, **options))
-        waiting: set[asyncio.Future[Any]] = {connecting, refused}
-        done, _ = await asyncio.wait(
-            waiting, timeout=connect_timeout * 3, return_when=asyncio.FIRST_COMPLETED
-        )
-        if connecting not in done:
-            connecting.cancel()
-            await asyncio.gather(connecting, return_exceptions=True)
-            await nc.close()
-            reason = refused.result() if refused.done() else None
-            if reason is not None:
-                raise BusUnavailable(f"NATS at {url}: {_advice_for(reason, settings)}")
-            raise BusUnavailable(
-                f"cannot reach NATS at {url} (no answer within {connect_timeout * 3:g}s). {advice}"
-            )
-        try:
-            connecting.result()
-        except (NoServersError, OSError) as exc:
-            raise BusUnavailable(
-                f"cannot reach NATS at {url} ({exc.__class__.__name__}: {exc}). {advice}"
-            ) from None
-        if "tls" in options and not nc._server_info.get("tls_required"):
-            await nc.close()
-            raise BusUnavailable(
-                f"NATS at {url} does not speak TLS, but PLEXRL_TLS_* is set: refusing to send "
-                "credentials and data in the clear"
-            )
+        deadline = time.monotonic() + wait
+        delay, attempt = FIRST_RETRY_DELAY, 1
+        while True:
+            try:
+                nc, closing = await _open(servers, url, service, settings, options, connect_timeout)
+                break
+            except _Unreachable as exc:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise BusUnavailable(str(exc)) from None
+                pause = min(delay, left)
+                log.warning(
+                    "%s: waiting for NATS at %s (attempt %d, next in %.2gs, giving up in %.0fs)",
+                    service,
+                    url,
+                    attempt,
+                    pause,
+                    left,
+                )
+                await asyncio.sleep(pause)
+                delay, attempt = min(delay * 2, MAX_RETRY_DELAY), attempt + 1
+        if attempt > 1:
+            log.info("%s: connected to NATS at %s after %d attempts", service, url, attempt)
         bus = cls(nc, service, fmt)
         closing.append(bus)
         # a tenant's credentials may not create or inspect streams: the services provision them

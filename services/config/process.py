@@ -26,6 +26,14 @@ class ProcessSettings(BaseModel):
     nats_url: str = Field(
         DEFAULT_NATS_URL, min_length=1, description="NATS server(s), comma-separated"
     )
+    connect_wait_s: float = Field(
+        180.0,
+        ge=0,
+        le=86400,
+        description="seconds a service keeps retrying its first connection to NATS (0.25 s "
+        "apart, doubling up to 5 s) before it exits; client commands (submit, runs, evict) do "
+        "not wait",
+    )
     stream_replicas: int = Field(
         1,
         ge=1,

@@ -10,6 +10,7 @@ from typing import Any
 
 from services.bus import Bus, BusUnavailable, setup_tracing, stop_on_signals
 from services.bus.tracing import shutdown_tracing
+from services.config import process_settings
 from services.telemetry.metrics import setup_metrics
 
 EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE = 0, 1, 2
@@ -45,8 +46,9 @@ def run_service(
     )
     setup_tracing(service)
     setup_metrics(service)
+    wait = process_settings().connect_wait_s
     try:
-        return _run(command, _connected(serve, nats_url, bus_name or service, True), errors)
+        return _run(command, _connected(serve, nats_url, bus_name or service, True, wait), errors)
     finally:
         shutdown_tracing()
 
@@ -64,12 +66,13 @@ def run_client(
     """
     # the bus's "disconnected, reconnecting" notice at close is noise in a short-lived client
     logging.getLogger("services.bus.bus").setLevel(logging.ERROR)
-    return _run(command, _connected(lambda bus, _: body(bus), nats_url, "cli", False), errors)
+    main = _connected(lambda bus, _: body(bus), nats_url, "cli", False, 0.0)
+    return _run(command, main, errors)
 
 
-async def _connected(serve: Serve, url: str, name: str, signals: bool) -> int:
+async def _connected(serve: Serve, url: str, name: str, signals: bool, wait: float) -> int:
     stop = stop_on_signals() if signals else asyncio.Event()
-    bus = await Bus.connect(url, name)
+    bus = await Bus.connect(url, name, wait=wait)
     try:
         return int(await serve(bus, stop) or EXIT_OK)
     finally:

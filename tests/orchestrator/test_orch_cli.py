@@ -32,7 +32,10 @@ def write_config(tmp_path: Path, **overrides: object) -> Path:
 
 
 def test_usage_errors_exit_2_before_touching_nats(
-    tmp_path: Path, tiny_dir: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    tiny_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     good = write_config(tmp_path)
     bad = tmp_path / "bad.toml"
@@ -55,7 +58,9 @@ def test_usage_errors_exit_2_before_touching_nats(
     for message, argv in cases.items():
         assert main(["orchestrator", *argv, *unreachable]) == 2, message
         assert message in capsys.readouterr().err
-    # A usable command line, but no NATS server there: status 1 and where it looked.
+    # A usable command line, but no NATS server there (and no wait for one): status 1 and
+    # where it looked.
+    monkeypatch.setenv("PLEXRL_CONNECT_WAIT_S", "0")
     argv = ["orchestrator", RUN, "--config", str(good), "--model", str(tiny_dir), *unreachable]
     assert main(argv) == 1
     assert "cannot reach NATS at nats://127.0.0.1:1" in capsys.readouterr().err

@@ -55,8 +55,13 @@ def test_submit_refuses_an_invalid_config_with_the_precise_message(
     ids=["submit", "evict", "runs", "registry"],
 )
 def test_every_command_says_when_nats_is_unreachable(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    argv: list[str],
 ) -> None:
+    # the registry, a service, waits PLEXRL_CONNECT_WAIT_S for its first connection: not here
+    monkeypatch.setenv("PLEXRL_CONNECT_WAIT_S", "0")
     port = free_port()
     argv = [str(_config(tmp_path)) if a == "CONFIG" else a for a in argv]
     argv = [str(tmp_path / "out") if a == "OUT" else a for a in argv]
