@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from schemas.config import DEFAULT_MAX_LORA_RANK, DEFAULT_TARGET_MODULES
+from schemas.config import DEFAULT_MAX_LORA_RANK
 from services.config.fields import Token64
 
 
@@ -43,10 +43,11 @@ class InferenceSettings(BaseModel):
         le=1024,
         description="largest LoRA rank a run's adapter may have",
     )
-    target_modules: list[str] = Field(
-        default_factory=lambda: list(DEFAULT_TARGET_MODULES),
+    target_modules: list[str] | None = Field(
+        None,
         min_length=1,
-        description="module names that carry LoRA adapters; must match the trainer's",
+        description="module names that carry LoRA adapters; must match the trainer's (unset "
+        "on both: the model family's default)",
     )
     output_dir: Path = Field(
         Path("outputs"),
@@ -85,6 +86,12 @@ class InferenceSettings(BaseModel):
     gpu_memory_utilization: float = Field(
         0.85, gt=0, le=1.0, description="vllm: fraction of GPU memory the engine may take"
     )
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _split_target_modules(cls, v: object) -> object:
+        # PLEXRL_TARGET_MODULES arrives as one string: "q_proj,v_proj" or "q_proj v_proj".
+        return [t for t in re.split(r"[,\s]+", v) if t] if isinstance(v, str) else v
 
     @field_validator("device")
     @classmethod

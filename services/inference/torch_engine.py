@@ -63,7 +63,7 @@ class TorchEngine:
         *,
         max_runs: int,
         max_lora_rank: int,
-        target_modules: Sequence[str],
+        target_modules: Sequence[str] | None = None,
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         batch_window_ms: float = 5.0,
@@ -72,7 +72,9 @@ class TorchEngine:
         self.model_dir = Path(model_dir)
         self.max_runs = max_runs
         self.max_lora_rank = max_lora_rank
-        self.target_modules = tuple(target_modules)
+        self.target_modules = None if target_modules is None else tuple(target_modules)
+        """the modules given, None for the model family's default; the LoRA layers, once
+        loaded, hold the modules they wrap (``lora.target_modules``)"""
         self.device = torch.device(device)
         self.dtype = dtype
         self.batch_window = batch_window_ms / 1000.0

@@ -166,6 +166,7 @@ class VllmEngine:
                 event.lora.rank,
                 event.lora.alpha,
                 event.lora.target_modules,
+                fan_in_fan_out=event.lora.fan_in_fan_out,
             )
         request = LoRARequest(
             f"{event.run_id}@{event.step}", next(self._lora_ids), lora_path=str(directory)

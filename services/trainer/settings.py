@@ -9,12 +9,13 @@ variables (a list as ``PLEXRL_TARGET_MODULES=q_proj,v_proj``, a flag as
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from schemas.config import DEFAULT_MAX_LORA_RANK, DEFAULT_TARGET_MODULES
+from schemas.config import DEFAULT_MAX_LORA_RANK
 from services.config.fields import Token
 
 
@@ -64,10 +65,12 @@ class TrainerSettings(BaseModel):
         le=1024,
         description="largest LoRA rank a run may use (the slots' size)",
     )
-    target_modules: list[str] = Field(
-        default_factory=lambda: list(DEFAULT_TARGET_MODULES),
+    target_modules: list[str] | None = Field(
+        None,
         min_length=1,
-        description="linear modules that carry adapters (names or name suffixes, as in PEFT)",
+        description="nn.Linear or Conv1D modules that carry adapters (names or name suffixes, "
+        "as in PEFT); unset: the model family's default (every attention and MLP projection "
+        "of a Llama, GPT-2's c_attn, c_proj and c_fc, ...)",
     )
     micro_batch_tokens: int = Field(
         8192, ge=16, le=1 << 24, description="padded tokens per micro-batch (rows * longest row)"
@@ -142,6 +145,12 @@ class TrainerSettings(BaseModel):
     service: Token = Field(
         "trainer", description="service name: errors go to plexrl.errors.<service>"
     )
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _split_target_modules(cls, v: object) -> object:
+        # PLEXRL_TARGET_MODULES arrives as one string: "q_proj,v_proj" or "q_proj v_proj".
+        return [t for t in re.split(r"[,\s]+", v) if t] if isinstance(v, str) else v
 
     @model_validator(mode="after")
     def _one_run_for_full_weights(self) -> TrainerSettings:

@@ -133,7 +133,11 @@ class WeightPublisher:
         config = None
         if not full:
             config = peft_adapter_config(
-                lora.rank, lora.alpha, lora.target_modules, base_model_path
+                lora.rank,
+                lora.alpha,
+                lora.target_modules,
+                base_model_path,
+                fan_in_fan_out=lora.fan_in_fan_out,
             )
         location = await self.sender.send(run_id, step, stream, config, tenant=tenant)
         stored.add(step)

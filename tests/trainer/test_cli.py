@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -67,8 +68,14 @@ def test_a_missing_model_says_how_to_get_one(tmp_path):
 def test_no_nats_server_is_reported_not_hung(tiny_dir):
     from services.bus import free_port
 
+    # A service waits PLEXRL_CONNECT_WAIT_S for its first connection; 0 gives up at once.
     done = _plexrl(
-        "trainer", "--model", str(tiny_dir), "--nats-url", f"nats://127.0.0.1:{free_port()}"
+        "trainer",
+        "--model",
+        str(tiny_dir),
+        "--nats-url",
+        f"nats://127.0.0.1:{free_port()}",
+        env={**os.environ, "PLEXRL_CONNECT_WAIT_S": "0"},
     )
     assert done.returncode == 1
     assert "cannot reach NATS" in done.stderr
@@ -93,10 +100,12 @@ def test_settings_come_from_toml_environment_and_flags_in_that_order(tmp_path):
 
 
 def test_defaults():
-    from services.model.lora import DEFAULT_TARGET_MODULES as LORA_TARGETS
+    from services.model.families import default_target_modules
 
     settings = TrainerSettings(model=Path("m"))
-    assert tuple(settings.target_modules) == DEFAULT_TARGET_MODULES == LORA_TARGETS
+    # unset: the model family's default, which for a Llama is plexrl's default list
+    assert settings.target_modules is None
+    assert default_target_modules("llama") == DEFAULT_TARGET_MODULES
     assert settings.num_threads == default_threads() >= 1
     assert settings.weight_transport == "object_store"
 
