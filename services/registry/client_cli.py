@@ -229,7 +229,11 @@ async def _runs(bus: Any, args: argparse.Namespace) -> int:
     if tenant == DEFAULT_TENANT:
         rows = await _rows_from_kv(bus)
     else:
-        rows = await _rows_from_registry(bus, tenant)
+        try:
+            rows = await _rows_from_registry(bus, tenant)
+        except Exception as exc:  # no registry answered, or it answered with an error
+            print(f"plexrl runs: {_list_failure(exc, tenant)}", file=sys.stderr)
+            return 1
     rows = [r for r in rows if args.all or r["status"] != "forgotten"]
     if args.sweep:
         rows = [r for r in rows if in_sweep(r["run_id"], args.sweep)]
@@ -266,6 +270,20 @@ async def _rows_from_kv(bus: Any) -> list[dict[str, Any]]:
             row[key] = getattr(progress, key) if progress else None
         rows.append(row | {"detail": rec.error or rec.reason})
     return rows
+
+
+def _list_failure(exc: Exception, tenant: str) -> str:
+    from nats.errors import NoRespondersError
+    from nats.errors import TimeoutError as NatsTimeout
+
+    from schemas.subjects import registry_list_subject
+
+    if isinstance(exc, NoRespondersError | NatsTimeout | TimeoutError):
+        return (
+            f"no registry answered on {registry_list_subject(tenant)}: a tenant's runs are "
+            "listed by the registry service, so start it (or check PLEXRL_NATS_URL)"
+        )
+    return str(exc)
 
 
 async def _rows_from_registry(bus: Any, tenant: str) -> list[dict[str, Any]]:
