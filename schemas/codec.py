@@ -71,3 +71,19 @@ def decode(
         return cast(T, _json_decoder(cast(Any, target)).decode(data))
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise DecodeError(str(exc)) from exc
+
+
+def salvage_id(data: bytes, field: str = "request_id") -> str:
+    """The string ``field`` (a request id, a run id) of a payload that did not validate, if one
+    can be read; else ""."""
+    try:
+        raw = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        try:
+            raw = msgspec.msgpack.decode(data)
+        except msgspec.DecodeError:
+            return ""
+    value = raw.get(field) if isinstance(raw, dict) else None
+    if isinstance(value, str) and 0 < len(value) <= 256:
+        return value
+    return ""

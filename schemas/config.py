@@ -235,6 +235,13 @@ class OrchConfig(_Strict):
     env_args: dict[str, Any] = Field(
         default_factory=dict, description="keyword arguments for the environment"
     )
+    driver: Literal["rollouts", "commands"] = Field(
+        "rollouts",
+        description="what trains the run: 'rollouts', RolloutBatch events from an orchestrator "
+        "(env, batch_size, sampling... apply), or 'commands', training commands "
+        "(forward_backward, optim_step... on plexrl.train.*; the Tinker gateway) whose "
+        "requests carry the data and the optimizer settings",
+    )
     seed: int = Field(0, ge=0, le=2**31 - 1)
     max_steps: int = Field(200, ge=1, le=10_000_000)
     batch_size: int = Field(8, ge=1, le=4096, description="prompts per step")

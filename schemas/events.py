@@ -188,11 +188,17 @@ class RolloutBatch(Event, frozen=True, kw_only=True, tag="rollout_batch"):
 
 
 class LoraSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """Shape of an adapter: its rank, alpha and the module names it targets."""
+    """Shape of an adapter: its rank, alpha and the module names it targets.
+
+    ``fan_in_fan_out`` is True when the targets store their weight [in, out] (GPT-2's Conv1D),
+    as PEFT's ``adapter_config.json`` says it; absent (every message before the field existed)
+    means False, nn.Linear targets.
+    """
 
     rank: Annotated[int, msgspec.Meta(ge=1, le=1024)]
     alpha: Annotated[float, msgspec.Meta(gt=0)]
     target_modules: list[str]
+    fan_in_fan_out: bool = False
 
 
 class WeightsReady(Event, frozen=True, kw_only=True, tag="weights_ready"):
@@ -355,6 +361,9 @@ class RunList(Event, frozen=True, kw_only=True, tag="run_list"):
     error: str | None = None
 
 
+# The training commands live in their own module, which builds on the definitions above.
+from schemas.training import TRAINING_EVENTS, TrainRequest, TrainResult  # noqa: E402
+
 ALL_EVENTS: tuple[type[Event], ...] = (
     RunSubmitted,
     RunDiscovered,
@@ -370,6 +379,7 @@ ALL_EVENTS: tuple[type[Event], ...] = (
     ServiceError,
     RunListRequest,
     RunList,
+    *TRAINING_EVENTS,
 )
 
 AnyEvent = (
@@ -387,6 +397,8 @@ AnyEvent = (
     | ServiceError
     | RunListRequest
     | RunList
+    | TrainRequest
+    | TrainResult
 )
 
 RunEvent = (

@@ -34,6 +34,7 @@ from schemas.events import (
 )
 from schemas.run_id import validate_run_id
 from schemas.tenant import DEFAULT_TENANT, validate_tenant
+from schemas.training import TRAIN_COMMANDS, train_subject
 
 # --- streams ---------------------------------------------------------------------------------
 
@@ -435,4 +436,18 @@ CHANNELS: tuple[Channel, ...] = (
         summary="is this member still there?",
         reply=(Pong,),
     ),
+)
+
+CHANNELS += tuple(
+    Channel(
+        f"train_{kind}",
+        train_subject(kind),
+        None,
+        (request,),
+        producers="the gateway, any client",
+        consumers="trainer",
+        summary=f"{summary}; a tenant asks on plexrl.train.<tenant>.{kind}",
+        reply=(result,),
+    )
+    for kind, (request, result, summary) in TRAIN_COMMANDS.items()
 )

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import secrets
 
-import msgspec
 from nats.aio.client import Client as NATS
 
 from schemas.codec import Format, content_type, encode, is_msgpack
@@ -53,21 +52,6 @@ def check_request(req: GenerateRequest, vocab_size: int, max_model_len: int) -> 
 def request_seed(seed: int | None) -> int:
     """The request's seed, or a fresh random one when it gave none."""
     return secrets.randbits(63) if seed is None else seed
-
-
-def salvage_id(data: bytes) -> str:
-    """The ``request_id`` of a payload that did not validate, if one can be read; else ""."""
-    try:
-        raw = msgspec.json.decode(data)
-    except msgspec.DecodeError:
-        try:
-            raw = msgspec.msgpack.decode(data)
-        except msgspec.DecodeError:
-            return ""
-    request_id = raw.get("request_id") if isinstance(raw, dict) else None
-    if isinstance(request_id, str) and 0 < len(request_id) <= 256:
-        return request_id
-    return ""
 
 
 def failure(request_id: str, run_id: str, error: str) -> GenerateResponse:

@@ -38,7 +38,7 @@ from nats.aio.msg import Msg
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from schemas import subjects as sj
-from schemas.codec import DecodeError, decode
+from schemas.codec import DecodeError, decode, salvage_id
 from schemas.events import GenerateRequest, GenerateResponse, WeightsReady
 from schemas.tenant import DEFAULT_TENANT
 from services.bus import Bus, tracing
@@ -48,7 +48,6 @@ from services.inference.requests import (
     check_request,
     failure,
     request_seed,
-    salvage_id,
     send_reply,
 )
 from services.inference.weights_follower import WeightsFollower

@@ -72,6 +72,7 @@ def tenant_permissions(tenant: str) -> Permissions:
         f"plexrl.rollouts.{t}.*",
         f"plexrl.inference.{t}.generate",
         f"plexrl.registry.{t}.list",
+        f"plexrl.train.{t}.*",
         # ordered consumers on its own subjects (the filter is part of the API subject)
         f"{API}.CONSUMER.CREATE.{sj.RUNS_STREAM}.*.plexrl.runs.{t}.>",
         f"{API}.CONSUMER.CREATE.{sj.WEIGHTS_STREAM}.*.plexrl.weights.{t}.>",

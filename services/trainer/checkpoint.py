@@ -48,7 +48,12 @@ from safetensors.torch import save_file
 
 from schemas.events import WeightKind
 from services.model.full import TensorFiles
-from services.model.peft_io import FULL_WEIGHTS_FILE, read_peft_dir, write_peft_dir
+from services.model.peft_io import (
+    ADAPTER_CONFIG,
+    FULL_WEIGHTS_FILE,
+    read_peft_dir,
+    write_peft_dir,
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +80,8 @@ class Checkpoint:
     """step, total_tokens, total_samples (ints) and reward_mean (float or None)"""
     meta: dict[str, Any] = field(default_factory=dict)
     kind: WeightKind = "lora"
+    fan_in_fan_out: bool = False
+    """the adapter's targets store their weight [in, out] (Conv1D), as its adapter_config says"""
 
 
 def checkpoints_dir(output_dir: Path, run_id: str) -> Path:
@@ -100,11 +107,17 @@ def _write_json(path: Path, doc: Mapping[str, Any]) -> None:
     path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
 
 
-def save_checkpoint(output_dir: Path, run_id: str, ckpt: Checkpoint, keep: int) -> Path:
-    """Write ``ckpt`` atomically as ``step_<ckpt.step>``, then keep the newest ``keep``."""
+def save_checkpoint(
+    output_dir: Path, run_id: str, ckpt: Checkpoint, keep: int, *, name: str | None = None
+) -> Path:
+    """Write ``ckpt`` atomically as ``step_<ckpt.step>``, then keep the newest ``keep``.
+
+    With ``name`` (a training command's named save) it is written as ``name`` instead, beside
+    the step checkpoints: never pruned, and not what a restart resumes from.
+    """
     parent = checkpoints_dir(output_dir, run_id)
     parent.mkdir(parents=True, exist_ok=True)
-    final = parent / f"{_PREFIX}{ckpt.step}"
+    final = parent / (name or f"{_PREFIX}{ckpt.step}")
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=parent))
     try:
         if ckpt.kind == "full":
@@ -113,7 +126,12 @@ def save_checkpoint(output_dir: Path, run_id: str, ckpt: Checkpoint, keep: int) 
             save_file(dict(ckpt.adapter), staging / FULL_WEIGHTS_FILE, metadata={"format": "pt"})
         else:
             write_peft_dir(
-                staging / "adapter", ckpt.adapter, ckpt.rank, ckpt.alpha, ckpt.target_modules
+                staging / "adapter",
+                ckpt.adapter,
+                ckpt.rank,
+                ckpt.alpha,
+                ckpt.target_modules,
+                fan_in_fan_out=ckpt.fan_in_fan_out,
             )
         torch.save(ckpt.optimizer, staging / "optimizer.pt")
         torch.save(ckpt.scheduler, staging / "scheduler.pt")
@@ -197,12 +215,15 @@ def load_checkpoint(path: Path) -> Checkpoint:
     meta = json.loads((path / "meta.json").read_text())
     kind = meta.get("kind", "lora")
     adapter: Mapping[str, torch.Tensor]
+    fan_in_fan_out = False
     if kind == "full":
         adapter = TensorFiles([path / FULL_WEIGHTS_FILE])
         rank, alpha = int(meta["rank"]), float(meta["alpha"])
         target_modules: list[str] = []
     elif kind == "lora":
         adapter, rank, alpha, target_modules = read_peft_dir(path / "adapter")
+        adapter_config = json.loads((path / "adapter" / ADAPTER_CONFIG).read_text())
+        fan_in_fan_out = bool(adapter_config.get("fan_in_fan_out", False))
     else:
         raise ValueError(f"{path / 'meta.json'}: unknown checkpoint kind {kind!r}")
     progress = json.loads((path / "progress.json").read_text())
@@ -220,6 +241,7 @@ def load_checkpoint(path: Path) -> Checkpoint:
             "reward_mean": progress.get("reward_mean"),
         },
         meta=meta,
+        fan_in_fan_out=fan_in_fan_out,
     )
 
 

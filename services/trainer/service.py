@@ -38,6 +38,7 @@ from services.model.full import FullWeights
 from services.model.lora import MultiLoRA
 from services.runs.mirror import RunMirror
 from services.trainer.checkpoint import latest_checkpoint, remove_partials
+from services.trainer.commands import CommandInbox, CommandRunner
 from services.trainer.commit import Committer
 from services.trainer.distributed import SINGLE, Ranks
 from services.trainer.intake import Held, Intake, RunSteps
@@ -109,6 +110,7 @@ class Trainer:
         self.intake: Intake | None = None
         self.committer: Committer | None = None
         self.publisher: WeightPublisher | None = None
+        self.inbox: CommandInbox | None = None
         if ranks.is_main:
             consumer: Consumer[RolloutBatch] = Consumer(
                 bus,
@@ -134,6 +136,21 @@ class Trainer:
                 settings.output_dir,
                 base_model_path=str(settings.model),
             )
+            self.inbox = CommandInbox(bus, wake=self.intake.arrived.set)
+        self.commands = CommandRunner(
+            model,
+            lora,
+            self._pool,
+            token_budget=settings.micro_batch_tokens,
+            pad_id=pad_id,
+            vocab_size=vocab_size,
+            device=self.device,
+            output_dir=settings.output_dir,
+            ranks=ranks,
+            bus=bus if ranks.is_main else None,
+            publisher=self.publisher,
+            base_model_path=str(settings.model),
+        )
 
     def _init_worker(self) -> None:
         if self.device.type == "cuda":
@@ -176,6 +193,7 @@ class Trainer:
         if state is not None:
             for p in self.lora.slot_parameters(idx):
                 p.grad = None
+        self.commands.forget(run_id)
         if self.intake is not None and self.committer is not None:
             self.intake.removed.add(run_id)
             self._after_sync.append(self.committer.forget(run_id))
@@ -192,6 +210,8 @@ class Trainer:
         if self.intake is not None:
             self._pump = asyncio.create_task(self.intake.pump(self._closing))
             self._tasks.append(asyncio.create_task(self._heartbeat()))
+        if self.inbox is not None:
+            await self.inbox.start()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Train until ``stop`` is set (on any rank), then shut down cleanly."""
@@ -208,6 +228,7 @@ class Trainer:
         await self._run_after_sync()
         if self.ranks.any(stop.is_set(), self.device):
             return False
+        await self._execute_commands()
         held = await self._collect() if self.intake is not None else {}
         work = [(slot, h.batch) for slot, h in sorted(held.items())]
         work = self.ranks.broadcast_object(work)
@@ -228,6 +249,8 @@ class Trainer:
         if self._closing.is_set():
             return
         self._closing.set()
+        if self.inbox is not None:
+            await self.inbox.stop()
         if self._pump is not None:
             # Let the last fetch end rather than cancel it: a message the server hands to a
             # pull request nobody reads any more would sit unacked until ack_wait runs out.
@@ -254,9 +277,31 @@ class Trainer:
         for work in pending:
             await work
 
+    async def _execute_commands(self) -> None:
+        """Every rank: the training commands that arrived, applied between two steps.
+
+        Rank 0 waits ``collect_ms`` once a command is there, so the forward_backward requests
+        that several clients send together share one pass."""
+        taken = []
+        if self.inbox is not None and self.inbox.pending():
+            if self.settings.collect_ms > 0:
+                await asyncio.sleep(self.settings.collect_ms / 1000)
+            taken = self.inbox.take()
+        commands = self.ranks.broadcast_object([command for command, _ in taken])
+        if not commands:
+            return
+        results = await self.commands.execute(commands, self.states)
+        if self.inbox is not None:
+            await self.inbox.answer(taken, results)
+
     def _views(self) -> dict[str, RunSteps]:
+        # A commands run takes no RolloutBatch: one sent for it is dropped like an evicted run's.
         views = {
-            s.run_id: RunSteps(s.next_step, s.committed_step, s.evicting is not None)
+            s.run_id: RunSteps(
+                s.next_step,
+                s.committed_step,
+                s.evicting is not None or s.config.driver == "commands",
+            )
             for s in self.states.values()
         }
         views.update({run_id: RunSteps(0, 0, evicting=True) for run_id in self.refused})
@@ -266,7 +311,7 @@ class Trainer:
         """Rank 0: every run's next batch that is here now (after a short wait for more)."""
         assert self.intake is not None and self.committer is not None
         intake, views = self.intake, self._views()
-        if not intake.has_trainable(views):
+        if not intake.has_trainable(views) and not (self.inbox and self.inbox.pending()):
             intake.arrived.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(intake.arrived.wait(), IDLE_WAIT)

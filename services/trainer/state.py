@@ -64,6 +64,8 @@ class RunState:
     """set once the trainer asked for this run's eviction: its batches are dropped from then on"""
     tenant: str = DEFAULT_TENANT
     """the tenant that owns the run (its subjects, its object store)"""
+    fan_in_fan_out: bool = False
+    """the adapter's layers store their weight [in, out] (GPT-2's Conv1D): PEFT must be told"""
     loss_params: LossParams = field(init=False)
 
     def __post_init__(self) -> None:
@@ -84,7 +86,12 @@ class RunState:
     @property
     def lora_spec(self) -> LoraSpec:
         lora = self.config.model.lora
-        return LoraSpec(rank=lora.rank, alpha=lora.alpha, target_modules=list(self.target_modules))
+        return LoraSpec(
+            rank=lora.rank,
+            alpha=lora.alpha,
+            target_modules=list(self.target_modules),
+            fan_in_fan_out=self.fan_in_fan_out,
+        )
 
     def checkpoint_due(self) -> bool:
         """After the step just taken: does the run's ckpt.interval (or its last step) ask for one?"""
@@ -116,6 +123,7 @@ class RunState:
                 "reward_mean": self.progress.reward_mean,
             },
             meta={"config_digest": self.config_digest, "idx": self.idx},
+            fan_in_fan_out=self.fan_in_fan_out,
         )
 
 
@@ -177,9 +185,10 @@ def create_run_state(
         scheduler=scheduler,
         progress=Progress(step=0, total_tokens=0, total_samples=0, tenant=tenant),
         tenant=tenant,
+        fan_in_fan_out=isinstance(lora, MultiLoRA) and lora.fan_in_fan_out,
     )
     if checkpoint is not None:
-        _restore(lora, state, checkpoint)
+        restore_checkpoint(lora, state, checkpoint)
     return state
 
 
@@ -195,14 +204,23 @@ def _kind_mismatch(ckpt: Checkpoint, kind: WeightKind) -> str:
     )
 
 
-def _restore(lora: WeightSlots, state: RunState, ckpt: Checkpoint) -> None:
+def restore_checkpoint(
+    lora: WeightSlots, state: RunState, ckpt: Checkpoint, *, optimizer: bool = True
+) -> None:
+    """Load ``ckpt`` into ``state``'s slot; with ``optimizer``, also AdamW, the schedule and
+    progress (the run resumes at the checkpoint's step). :class:`RunSetupError` if it does not
+    fit the run."""
     cfg = state.config.model.lora
+    if ckpt.kind != lora.kind:
+        raise RunSetupError(_kind_mismatch(ckpt, lora.kind))
     if ckpt.kind == "lora" and ckpt.rank != cfg.rank:
         raise RunSetupError(
             f"checkpoint step_{ckpt.step} holds a rank-{ckpt.rank} adapter but the run's config "
             f"asks for rank {cfg.rank}; a run's LoRA shape cannot change: submit it under a new id"
         )
     lora.load_slot_state_dict(state.idx, ckpt.adapter, ckpt.rank, cfg.alpha)
+    if not optimizer:
+        return
     if _optimizer_state_fits(ckpt.optimizer, lora.slot_parameters(state.idx)):
         state.optimizer.load_state_dict(ckpt.optimizer)
     else:

@@ -29,6 +29,7 @@ from nats.js import api
 
 from schemas import subjects as sj
 from schemas.tenant import inbox_prefix
+from schemas.training import TRAIN_WILDCARD, train_subject
 from services.bus import EmbeddedNats, provision
 from services.config.tenants import TenantQuota, TenantsFile, save_tenants
 from services.tenants.credentials import SERVICES, ensure_seed, seed_path
@@ -137,6 +138,7 @@ async def broker(auth_server: EmbeddedNats, auth_dir: Path) -> AsyncIterator[Bro
 
     await svc.nc.subscribe("plexrl.inference.*.generate", cb=answer)
     await svc.nc.subscribe("plexrl.registry.*.list", cb=answer)
+    await svc.nc.subscribe(TRAIN_WILDCARD, cb=answer)
     await svc.nc.flush()
     yield Broker(auth_server, auth_dir, svc, requests)
     await svc.nc.close()
@@ -213,6 +215,8 @@ DENIED_REQUESTS = {
     "generate as acme": (sj.generate_subject(ACME), b"{}"),
     "generate as the default tenant": (sj.GENERATE, b"{}"),
     "list acme's runs": (sj.registry_list_subject(ACME), b"{}"),
+    "train acme's runs": (train_subject("forward_backward", ACME), b"{}"),
+    "train as the default tenant": (train_subject("optim_step"), b"{}"),
     "consumer on acme's runs": consumer_create(sj.RUNS_STREAM, "plexrl.runs.acme.>"),
     "consumer on acme's weights": consumer_create(sj.WEIGHTS_STREAM, "plexrl.weights.acme.>"),
     "consumer on acme's rollouts": consumer_create(sj.ROLLOUTS_STREAM, "plexrl.rollouts.acme.>"),
@@ -414,6 +418,10 @@ async def test_acme_requests_on_its_own_subjects_are_answered(broker: Broker, ac
     assert broker.generate_requests[-1].reply.startswith(inbox_prefix(ACME) + ".")
     reply = await acme.nc.request(sj.registry_list_subject(ACME), b"{}", timeout=5)
     assert reply.data == f"answered {sj.registry_list_subject(ACME)}".encode()
+    for kind in ("forward_backward", "optim_step", "save_weights", "load_weights"):
+        subject = train_subject(kind, ACME)
+        reply = await acme.nc.request(subject, b"{}", timeout=5)
+        assert reply.data == f"answered {subject}".encode()
     assert acme.errors == []
 
 

@@ -54,8 +54,8 @@ def test_generated_files_are_one_schema_per_event_plus_config_and_asyncapi() -> 
     expected = {f"json/{tag}.json" for tag in TAGS} | {"json/orch_config.json", "asyncapi.yaml"}
     expected |= {f"json/{name}.json" for name in ALL_RECORDS}
     assert set(files) == expected
-    assert len(ALL_EVENTS) == 14
-    assert len(TAGS) == len(ALL_EVENTS) + len(COLLECTIVE_MESSAGES) == 20
+    assert len(ALL_EVENTS) == 22
+    assert len(TAGS) == len(ALL_EVENTS) + len(COLLECTIVE_MESSAGES) == 28
 
 
 def test_committed_files_equal_generated(tmp_path: Path) -> None:
@@ -190,6 +190,10 @@ DESIGN_TABLE = {
     "plexrl.collective.{group}.leave": (None, ["collective_leave"]),
     "plexrl.collective.{group}.formed": (None, ["collective_formed"]),
     "plexrl.collective.{group}.alive.{member}": (None, ["collective_ping"]),
+    "plexrl.train.forward_backward": (None, ["forward_backward_request"]),
+    "plexrl.train.optim_step": (None, ["optim_step_request"]),
+    "plexrl.train.save_weights": (None, ["save_weights_request"]),
+    "plexrl.train.load_weights": (None, ["load_weights_request"]),
 }
 
 
