@@ -13,6 +13,7 @@ publisher's trace. Then, at this one boundary, the verdict:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from nats.errors import ConnectionClosedError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import api
 from nats.js.client import JetStreamContext
+from nats.js.errors import NotFoundError
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
@@ -127,6 +129,43 @@ class Consumer(Generic[T]):
                 self.filter_subject, durable=self.durable, stream=self.stream, config=self.config
             )
         return self
+
+    async def take_over(self) -> int:
+        """Make what a dead predecessor held deliverable now; how many messages it held.
+
+        The messages a consumer delivered and never acked come back only when their
+        ``ack_wait`` runs out, which for a trainer step is minutes. A process that knows it is
+        the consumer's only user (the trainer's rank 0, on a restart) calls this before
+        :meth:`start`: if the durable consumer has unacknowledged messages, it is made anew
+        from the first one not yet acknowledged (the ack floor + 1), so they are delivered at
+        once. Messages past the floor that were acked are delivered again too; the caller must
+        recognise work it already did (the trainer's intake acks and skips committed steps).
+        """
+        if self.durable is None or self._sub is not None:
+            return 0
+        try:
+            info = await self.bus.js.consumer_info(self.stream, self.durable)
+        except NotFoundError:
+            return 0
+        held = int(info.num_ack_pending or 0)
+        if held == 0:
+            return 0
+        start = int(info.ack_floor.stream_seq if info.ack_floor else 0) + 1
+        await self.bus.js.delete_consumer(self.stream, self.durable)
+        self.config = dataclasses.replace(
+            self.config,
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=start,
+        )
+        await self.start()
+        log.info(
+            "%s: took over consumer %s: %d unacknowledged messages from stream sequence %d on",
+            self.bus.service,
+            self.durable,
+            held,
+            start,
+        )
+        return held
 
     async def close(self) -> None:
         """Unsubscribe (before draining the connection, which would otherwise wait)."""

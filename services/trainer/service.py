@@ -208,6 +208,9 @@ class Trainer:
         await self.mirror.start()
         await self.mirror.wait_until_caught_up(timeout=30.0)
         if self.intake is not None:
+            # The one consumer of the rollouts: what a killed predecessor held comes back now,
+            # not when its ack_wait runs out.
+            await self.intake.consumer.take_over()
             self._pump = asyncio.create_task(self.intake.pump(self._closing))
             self._tasks.append(asyncio.create_task(self._heartbeat()))
         if self.inbox is not None:
