@@ -65,7 +65,8 @@ class StepRunner:
     ) -> None:
         self.bus = bus
         self.run_id = run_id
-        self.subject = tenant_rollouts_subject(run_id, acting_tenant(tenant))
+        self.tenant = acting_tenant(tenant)
+        self.subject = tenant_rollouts_subject(run_id, self.tenant)
         self.config = config
         self.env = env
         self.tokenizer = tokenizer
@@ -129,6 +130,7 @@ class StepRunner:
             reward_mean=metrics.reward_mean,
             policy_lag=metrics.policy_lag,
             tokens_per_s=metrics.tokens_per_s,
+            tenant=self.tenant,
         )
         write_checkpoint(
             self.checkpoint_path,
