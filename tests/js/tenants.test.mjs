@@ -92,3 +92,28 @@ test('the tenant publishes on its own submit subject and gets a PubAck', { skip 
     assert.equal(ack.stream, 'PLEXRL_RUNS');
     assert.ok(ack.seq > 0);
   }));
+
+// Requests and publishes of another tenant's runs, the default tenant's, and the services'
+// internals: the broker refuses each one, so no service ever sees it.
+const denied = () => [
+  `plexrl.runs.${other}.evict`,
+  `plexrl.rollouts.${other}.run_x`,
+  `plexrl.inference.${other}.generate`,
+  `plexrl.registry.${other}.list`,
+  `plexrl.train.${other}.forward_backward`,
+  `plexrl.train.${other}.optim_step`,
+  'plexrl.train.forward_backward',
+  'plexrl.inference.generate',
+  'plexrl.runs.evict',
+  '$JS.API.STREAM.NAMES',
+  '$JS.API.STREAM.INFO.KV_plexrl-registry',
+  `$JS.API.STREAM.INFO.OBJ_plexrl-weights-${other}`,
+];
+
+test('requests on another tenant\'s or the services\' subjects are refused', { skip }, () =>
+  asTenant(async ({ nc, violation }) => {
+    for (const subject of denied()) {
+      await assert.rejects(nc.request(subject, '{}', { timeout: 500 }), subject);
+      assert.equal((await violation(subject)).operation, 'publish', subject);
+    }
+  }));
