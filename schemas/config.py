@@ -86,9 +86,28 @@ class OptimConfig(_Strict):
 class LossConfig(_Strict):
     """The importance-sampled policy loss (see services/trainer/loss.py)."""
 
-    mode: Literal["clip", "mask"] = Field(
+    mode: Literal["clip", "mask", "cispo", "gspo", "dppo", "tis"] = Field(
         "clip",
-        description="'clip': PPO-style clipped ratio; 'mask': drop tokens whose ratio leaves the bounds",
+        description="the policy term (services/trainer/policy_losses.py): 'clip' PPO's clipped "
+        "ratio; 'mask' drop tokens whose ratio leaves the bounds; 'cispo' clip the importance "
+        "weight, never the gradient; 'gspo' one clipped ratio per sequence; 'dppo' drop tokens "
+        "whose probability moved more than tv_delta; 'tis' truncated importance weight",
+    )
+    normalize: Literal["tokens", "constant"] = Field(
+        "tokens",
+        description="divide a run's summed token losses by its number of completion tokens in "
+        "the step ('tokens'), or by samples * sampling.max_tokens ('constant', Dr. GRPO: long "
+        "completions are not weighted down)",
+    )
+    tv_delta: float = Field(
+        0.2,
+        gt=0,
+        le=1.0,
+        description="'dppo': the probability a token may gain (A > 0) or lose (A < 0) before it "
+        "is dropped",
+    )
+    tis_cap: float = Field(
+        2.0, ge=1.0, le=1000.0, description="'tis': the importance weight's upper bound"
     )
     clip_low: float = Field(0.2, ge=0, le=1.0, description="lower bound is 1 - clip_low")
     clip_high: float = Field(0.2, ge=0, le=100.0, description="upper bound is 1 + clip_high")

@@ -6,7 +6,9 @@ advantage ``A`` (group-relative, the same for all its tokens) and::
 
     r_t = exp(logp_t - old_logp_t)            # pi / mu, old_logp from the RolloutBatch
 
-Policy term (``loss.mode``; ``lo = 1 - clip_low``, ``hi = 1 + clip_high``, ``c = dual_clip``)::
+Policy term (``loss.mode``; ``lo = 1 - clip_low``, ``hi = 1 + clip_high``, ``c = dual_clip``;
+the other modes, ``cispo``, ``gspo``, ``dppo`` and ``tis``, are described with their sources in
+:mod:`services.trainer.policy_losses`)::
 
     clip:  s_t = min(r_t * A, clamp(r_t, lo, hi) * A)
            s_t = max(s_t, c * A)          only where A < 0, unless dual_clip = 0 (off)
@@ -70,7 +72,8 @@ Sources, and what each piece is for:
   ``r = 1`` is the same, ``-A + kl_coef * k1``, and its gradient is now the KL's.
 
 Each run ``k`` is normalised by its own number of loss tokens in the whole step, ``N_k``,
-which the packer counts before the first micro-batch runs::
+which the packer counts before the first micro-batch runs (``loss.normalize = "constant"``
+puts the run's samples times ``sampling.max_tokens`` in its place, Dr. GRPO's rule)::
 
     L_k = (1 / N_k) * sum_{t in run k} loss_t     (summed over all micro-batches of the step)
 
@@ -97,6 +100,8 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import Tensor
 
+from services.trainer.policy_losses import MODES, POLICY_TERMS, Inputs
+
 if TYPE_CHECKING:
     from schemas.config import LossConfig
 
@@ -108,13 +113,17 @@ LOG_RATIO_LIMIT = 20.0
 class LossParams:
     """The loss settings of one run (see :class:`schemas.config.LossConfig`)."""
 
-    mode: Literal["clip", "mask"] = "clip"
+    mode: Literal["clip", "mask", "cispo", "gspo", "dppo", "tis"] = "clip"
     clip_low: float = 0.2
     clip_high: float = 0.2
     kl_coef: float = 0.0
     kl_estimator: Literal["k1", "k3"] = "k3"
     dual_clip: float | None = 3.0
     """``c`` of the dual clip (``clip`` mode, ``A < 0``); None turns it off."""
+    tv_delta: float = 0.2
+    """``dppo``: how much probability a token may gain (A > 0) or lose (A < 0) and still count"""
+    tis_cap: float = 2.0
+    """``tis``: the importance weight's upper bound"""
 
     @classmethod
     def from_config(cls, cfg: LossConfig) -> LossParams:
@@ -126,6 +135,8 @@ class LossParams:
             kl_estimator=cfg.kl_estimator,
             # The config spells "off" as 0, which TOML can write (it has no null).
             dual_clip=cfg.dual_clip if cfg.dual_clip > 0 else None,
+            tv_delta=cfg.tv_delta,
+            tis_cap=cfg.tis_cap,
         )
 
 
@@ -206,8 +217,8 @@ def token_loss(
     Padding never reaches ``exp``: the log-ratio is zeroed there first, so whatever the model
     computes at padded positions cannot produce ``inf`` or NaN in the loss or its gradient.
     """
-    if params.mode not in ("clip", "mask"):
-        raise ValueError(f"unknown loss mode {params.mode!r}; use 'clip' or 'mask'")
+    if params.mode not in POLICY_TERMS:
+        raise ValueError(f"unknown loss mode {params.mode!r}; use one of {', '.join(MODES)}")
     if params.kl_estimator not in ("k1", "k3"):
         raise ValueError(f"unknown KL estimator {params.kl_estimator!r}; use 'k1' or 'k3'")
     if params.dual_clip is not None and not params.dual_clip > 1.0:
@@ -232,8 +243,6 @@ def token_loss(
 
     log_ratio_BT = torch.where(mask_BT, logprobs_BT - old_logprobs_BT.to(dtype), zero_BT)
     ratio_BT = torch.exp(log_ratio_BT.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
-    low, high = 1.0 - params.clip_low, 1.0 + params.clip_high
-
     kl_BT = zero_BT
     kl_loss_BT = zero_BT
     if ref_logprobs_BT is not None:
@@ -247,22 +256,18 @@ def token_loss(
             kl_BT = torch.exp(clamped_BT) - log_ref_ratio_BT - 1.0
             kl_loss_BT = params.kl_coef * kl_BT
 
-    if params.mode == "clip":
-        surrogate_BT = torch.minimum(ratio_BT * adv_BT, ratio_BT.clamp(low, high) * adv_BT)
-        no_grad_BT = ((adv_BT > 0) & (ratio_BT > high)) | ((adv_BT < 0) & (ratio_BT < low))
-        if params.dual_clip is not None:
-            negative_BT = adv_BT < 0
-            bound_BT = params.dual_clip * adv_BT
-            surrogate_BT = torch.where(
-                negative_BT, torch.maximum(surrogate_BT, bound_BT), surrogate_BT
-            )
-            no_grad_BT = no_grad_BT | (negative_BT & (ratio_BT > params.dual_clip))
-        policy_BT = -surrogate_BT
-        keep_BT = mask_BT
-    else:
-        no_grad_BT = (ratio_BT < low) | (ratio_BT > high)
-        policy_BT = -ratio_BT * adv_BT
-        keep_BT = mask_BT & ~no_grad_BT
+    terms = POLICY_TERMS[params.mode](
+        Inputs(
+            logprobs_BT=logprobs_BT,
+            old_logprobs_BT=old_logprobs_BT,
+            log_ratio_BT=log_ratio_BT.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT),
+            ratio_BT=ratio_BT,
+            adv_BT=adv_BT,
+            mask_BT=mask_BT,
+        ),
+        params,
+    )
+    policy_BT, keep_BT, no_grad_BT = terms.loss_BT, terms.keep_BT, terms.no_grad_BT
 
     loss_BT = torch.where(keep_BT, policy_BT + kl_loss_BT, zero_BT)
     stats = TokenStats(

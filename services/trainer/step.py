@@ -118,6 +118,7 @@ class StepExecutor:
             work, token_budget=self.token_budget, pad_id=self.pad_id, vocab_size=self.vocab_size
         )
         slots = sorted(packed.run_ids)
+        denominators = _denominators(packed.tokens_per_run, dict(work), states)
         t_fb = time.time_ns()
 
         extras = torch.zeros(len(slots), _NUM_EXTRAS, dtype=torch.float64, device=self.device)
@@ -125,7 +126,7 @@ class StepExecutor:
         row_of = {slot: i for i, slot in enumerate(slots)}
         mine = packed.micro_batches[self.ranks.rank :: self.ranks.world_size]
         for mb in mine:
-            self._forward_backward(mb, packed.tokens_per_run, states, extras, ratio_max, row_of)
+            self._forward_backward(mb, denominators, states, extras, ratio_max, row_of)
         t_opt = time.time_ns()
 
         params = [p for slot in slots for p in self.lora.slot_parameters(slot)]
@@ -279,6 +280,23 @@ class StepExecutor:
             reward_mean=_reward_mean(batch),
             stats=stats,
         )
+
+
+def _denominators(
+    tokens_per_run: Mapping[int, int],
+    batches: Mapping[int, RolloutBatch],
+    states: Mapping[int, RunState],
+) -> dict[int, int]:
+    """What each run's summed token losses are divided by: its completion tokens in the step,
+    or with ``loss.normalize = "constant"`` (Dr. GRPO, Liu et al. 2025, "Understanding
+    R1-Zero-Like Training") its samples times ``sampling.max_tokens``, the same for every step,
+    so a long completion's tokens weigh as much as a short one's."""
+    out = dict(tokens_per_run)
+    for slot in out:
+        config = states[slot].config
+        if config.loss.normalize == "constant":
+            out[slot] = len(batches[slot].samples) * config.sampling.max_tokens
+    return out
 
 
 def _rows_by_slot(mb: MicroBatch) -> MicroBatch:
