@@ -304,6 +304,7 @@ class Trainer:
                 s.next_step,
                 s.committed_step,
                 s.evicting is not None or s.config.driver == "commands",
+                max_lag=s.config.max_async_level,
             )
             for s in self.states.values()
         }
