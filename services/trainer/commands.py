@@ -6,9 +6,10 @@ the run's slot, ``optim_step`` applies them with the request's Adam parameters, 
 ``save_weights`` / ``load_weights`` publish, checkpoint and restore the adapter. The HTTP
 gateway turns the Tinker API into these commands; any NATS client may send them.
 
-- :class:`CommandInbox` (rank 0) subscribes to ``plexrl.train.>``, decodes each request, answers
-  what does not decode at once, and queues the rest; the trainer takes the queue at its next step
-  boundary, so commands never run while a RolloutBatch step is using the model.
+- :class:`~services.trainer.command_inbox.CommandInbox` (rank 0) subscribes to
+  ``plexrl.train.>``, decodes each request, answers what does not decode at once, and queues
+  the rest; the trainer takes the queue at its next step boundary, so commands never run while
+  a RolloutBatch step is using the model.
 - :class:`CommandRunner` (every rank, the same commands broadcast from rank 0) executes them. A
   run's commands apply in the order they arrived; the ``forward_backward`` requests of different
   runs waiting together go through the model in shared micro-batches (one pass, each run's rows
@@ -34,20 +35,15 @@ import time
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import torch
-from nats.aio.msg import Msg
 from opentelemetry import trace
 
-from schemas.codec import DecodeError, Format, content_type, decode, encode, is_msgpack, salvage_id
 from schemas.tenant import DEFAULT_TENANT
 from schemas.training import (
     TRAIN_COMMANDS,
-    TRAIN_WILDCARD,
     ForwardBackwardRequest,
     ForwardBackwardResult,
     LoadWeightsRequest,
@@ -56,14 +52,13 @@ from schemas.training import (
     OptimStepResult,
     SaveWeightsRequest,
     SaveWeightsResult,
-    TrainRequest,
     TrainResult,
-    parse_train_subject,
 )
-from services.bus import Bus, tracing
+from services.bus import Bus
 from services.runs.progress import write_progress
 from services.telemetry.metrics import record_trainer_step
 from services.trainer.checkpoint import checkpoints_dir, load_checkpoint, save_checkpoint
+from services.trainer.command_inbox import Command, failure, wrong_tenant
 from services.trainer.distributed import SINGLE, Ranks
 from services.trainer.slots import WeightSlots
 from services.trainer.state import RunSetupError, RunState, restore_checkpoint
@@ -74,112 +69,6 @@ log = logging.getLogger(__name__)
 
 KEEP_RESULTS = 1024
 """results remembered per run for retried request ids"""
-
-
-@dataclass(frozen=True)
-class Command:
-    """One decoded training command and the tenant of the subject it came on."""
-
-    kind: str
-    tenant: str
-    request: TrainRequest
-
-
-_RESULTS: dict[str, Callable[..., TrainResult]] = {
-    "forward_backward": ForwardBackwardResult,
-    "optim_step": OptimStepResult,
-    "save_weights": SaveWeightsResult,
-    "load_weights": LoadWeightsResult,
-}
-assert set(_RESULTS) == set(TRAIN_COMMANDS)
-
-
-def failure(command: Command, error: str) -> TrainResult:
-    """The command's result type saying ``error``."""
-    req = command.request
-    return _RESULTS[command.kind](request_id=req.request_id, run_id=req.run_id, error=error)
-
-
-# --- rank 0: receiving and answering ------------------------------------------------------------
-
-
-class CommandInbox:
-    """The commands that arrived since the trainer last looked, with where to answer them."""
-
-    def __init__(self, bus: Bus, wake: Callable[[], None]) -> None:
-        self.bus = bus
-        self._wake = wake
-        self._pending: list[tuple[Command, Msg]] = []
-        self._sub: Any = None
-
-    async def start(self) -> None:
-        self._sub = await self.bus.nc.subscribe(TRAIN_WILDCARD, cb=self._on_msg)
-        await self.bus.nc.flush()
-
-    async def stop(self) -> None:
-        """Unsubscribe and answer what is still queued: the trainer is going away."""
-        if self._sub is not None and not self.bus.nc.is_closed:
-            try:
-                await self._sub.unsubscribe()
-            except Exception as exc:
-                log.debug("unsubscribe failed: %s", exc)
-        self._sub = None
-        pending, self._pending = self._pending, []
-        for command, msg in pending:
-            await self._reply(msg, failure(command, "the trainer is shutting down; send it again"))
-
-    def pending(self) -> bool:
-        return bool(self._pending)
-
-    def take(self) -> list[tuple[Command, Msg]]:
-        taken, self._pending = self._pending, []
-        return taken
-
-    async def answer(self, taken: list[tuple[Command, Msg]], results: list[TrainResult]) -> None:
-        for (command, msg), result in zip(taken, results, strict=True):
-            if result.error is not None and result.error == _wrong_tenant(command):
-                # another tenant's credentials aimed at this run: worth an operator's eye
-                log.warning("trainer: refused a command on %s: %s", msg.subject, result.error)
-                await self.bus.report_invalid(msg.subject, result.error, msg.data)
-            await self._reply(msg, result)
-
-    async def _on_msg(self, msg: Msg) -> None:
-        try:
-            tenant, kind = parse_train_subject(msg.subject)
-        except ValueError as exc:
-            await self.bus.report_invalid(msg.subject, str(exc), msg.data)
-            return
-        request_type: type[Any] = TRAIN_COMMANDS[kind][0]
-        if not msg.reply:
-            await self.bus.report_invalid(
-                msg.subject, f"a {request_type.__name__} needs a reply subject", msg.data
-            )
-            return
-        headers = dict(msg.headers or {})
-        try:
-            request: TrainRequest = decode(msg.data, request_type, headers.get("Content-Type"))
-        except DecodeError as exc:
-            await self.bus.report_invalid(msg.subject, str(exc), msg.data)
-            error = f"invalid {request_type.__name__}: {exc}"
-            await self._reply(
-                msg,
-                _RESULTS[kind](
-                    request_id=salvage_id(msg.data),
-                    run_id=salvage_id(msg.data, "run_id"),
-                    error=error,
-                ),
-            )
-            return
-        self._pending.append((Command(kind, tenant, request), msg))
-        self._wake()
-
-    async def _reply(self, msg: Msg, result: msgspec.Struct) -> None:
-        fmt: Format = "msgpack" if is_msgpack((msg.headers or {}).get("Content-Type")) else "json"
-        try:
-            headers = tracing.inject({"Content-Type": content_type(fmt)})
-            await self.bus.nc.publish(msg.reply, encode(result, fmt), headers=headers)
-        except Exception as exc:  # the requester may be gone; a retry gets the stored result
-            log.warning("trainer: could not answer %s: %s", msg.subject, exc)
 
 
 # --- every rank: executing --------------------------------------------------------------------
@@ -452,10 +341,6 @@ class CommandRunner:
         return await loop.run_in_executor(self.pool, lambda: fn(*args, **kwargs))
 
 
-def _wrong_tenant(command: Command) -> str:
-    return f"{command.request.run_id} does not belong to tenant {command.tenant}"
-
-
 def _refusal(command: Command, state: RunState | None) -> str | None:
     """Why ``command`` may not touch ``state``'s run, or None."""
     run_id = command.request.run_id
@@ -465,7 +350,7 @@ def _refusal(command: Command, state: RunState | None) -> str | None:
             "driver = 'commands' and wait for it to be discovered, or check it was not evicted)"
         )
     if command.tenant != DEFAULT_TENANT and state.tenant != command.tenant:
-        return _wrong_tenant(command)
+        return wrong_tenant(command)
     if state.config.driver != "commands":
         return (
             f"{run_id} is trained from RolloutBatch events (driver = '{state.config.driver}'); "

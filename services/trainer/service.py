@@ -38,7 +38,8 @@ from services.model.full import FullWeights
 from services.model.lora import MultiLoRA
 from services.runs.mirror import RunMirror
 from services.trainer.checkpoint import latest_checkpoint, remove_partials
-from services.trainer.commands import CommandInbox, CommandRunner
+from services.trainer.command_inbox import CommandInbox
+from services.trainer.commands import CommandRunner
 from services.trainer.commit import Committer
 from services.trainer.distributed import SINGLE, Ranks
 from services.trainer.intake import Held, Intake, RunSteps

@@ -1,0 +1,140 @@
+"""Training commands on rank 0: receiving them from NATS and answering them.
+
+:class:`CommandInbox` subscribes to ``plexrl.train.>``, decodes each request, answers at once
+what does not decode (with the request id it could read), and queues the rest for the trainer's
+next step boundary, where :class:`~services.trainer.commands.CommandRunner` executes them. See
+:mod:`services.trainer.commands` for what each command does and which checks apply.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from nats.aio.msg import Msg
+
+from schemas.codec import DecodeError, Format, content_type, decode, encode, is_msgpack, salvage_id
+from schemas.training import (
+    TRAIN_COMMANDS,
+    TRAIN_WILDCARD,
+    ForwardBackwardResult,
+    LoadWeightsResult,
+    OptimStepResult,
+    SaveWeightsResult,
+    TrainRequest,
+    TrainResult,
+    parse_train_subject,
+)
+from services.bus import Bus, tracing
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Command:
+    """One decoded training command and the tenant of the subject it came on."""
+
+    kind: str
+    tenant: str
+    request: TrainRequest
+
+
+_RESULTS: dict[str, Callable[..., TrainResult]] = {
+    "forward_backward": ForwardBackwardResult,
+    "optim_step": OptimStepResult,
+    "save_weights": SaveWeightsResult,
+    "load_weights": LoadWeightsResult,
+}
+assert set(_RESULTS) == set(TRAIN_COMMANDS)
+
+
+def failure(command: Command, error: str) -> TrainResult:
+    """The command's result type saying ``error``."""
+    req = command.request
+    return _RESULTS[command.kind](request_id=req.request_id, run_id=req.run_id, error=error)
+
+
+class CommandInbox:
+    """The commands that arrived since the trainer last looked, with where to answer them."""
+
+    def __init__(self, bus: Bus, wake: Callable[[], None]) -> None:
+        self.bus = bus
+        self._wake = wake
+        self._pending: list[tuple[Command, Msg]] = []
+        self._sub: Any = None
+
+    async def start(self) -> None:
+        self._sub = await self.bus.nc.subscribe(TRAIN_WILDCARD, cb=self._on_msg)
+        await self.bus.nc.flush()
+
+    async def stop(self) -> None:
+        """Unsubscribe and answer what is still queued: the trainer is going away."""
+        if self._sub is not None and not self.bus.nc.is_closed:
+            try:
+                await self._sub.unsubscribe()
+            except Exception as exc:
+                log.debug("unsubscribe failed: %s", exc)
+        self._sub = None
+        pending, self._pending = self._pending, []
+        for command, msg in pending:
+            await self._reply(msg, failure(command, "the trainer is shutting down; send it again"))
+
+    def pending(self) -> bool:
+        return bool(self._pending)
+
+    def take(self) -> list[tuple[Command, Msg]]:
+        taken, self._pending = self._pending, []
+        return taken
+
+    async def answer(self, taken: list[tuple[Command, Msg]], results: list[TrainResult]) -> None:
+        for (command, msg), result in zip(taken, results, strict=True):
+            if result.error is not None and result.error == wrong_tenant(command):
+                # another tenant's credentials aimed at this run: worth an operator's eye
+                log.warning("trainer: refused a command on %s: %s", msg.subject, result.error)
+                await self.bus.report_invalid(msg.subject, result.error, msg.data)
+            await self._reply(msg, result)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        try:
+            tenant, kind = parse_train_subject(msg.subject)
+        except ValueError as exc:
+            await self.bus.report_invalid(msg.subject, str(exc), msg.data)
+            return
+        request_type: type[Any] = TRAIN_COMMANDS[kind][0]
+        if not msg.reply:
+            await self.bus.report_invalid(
+                msg.subject, f"a {request_type.__name__} needs a reply subject", msg.data
+            )
+            return
+        headers = dict(msg.headers or {})
+        try:
+            request: TrainRequest = decode(msg.data, request_type, headers.get("Content-Type"))
+        except DecodeError as exc:
+            await self.bus.report_invalid(msg.subject, str(exc), msg.data)
+            error = f"invalid {request_type.__name__}: {exc}"
+            await self._reply(
+                msg,
+                _RESULTS[kind](
+                    request_id=salvage_id(msg.data),
+                    run_id=salvage_id(msg.data, "run_id"),
+                    error=error,
+                ),
+            )
+            return
+        self._pending.append((Command(kind, tenant, request), msg))
+        self._wake()
+
+    async def _reply(self, msg: Msg, result: msgspec.Struct) -> None:
+        fmt: Format = "msgpack" if is_msgpack((msg.headers or {}).get("Content-Type")) else "json"
+        try:
+            headers = tracing.inject({"Content-Type": content_type(fmt)})
+            await self.bus.nc.publish(msg.reply, encode(result, fmt), headers=headers)
+        except Exception as exc:  # the requester may be gone; a retry gets the stored result
+            log.warning("trainer: could not answer %s: %s", msg.subject, exc)
+
+
+def wrong_tenant(command: Command) -> str:
+    return f"{command.request.run_id} does not belong to tenant {command.tenant}"
