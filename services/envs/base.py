@@ -24,7 +24,9 @@ from __future__ import annotations
 import hashlib
 import random
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 PROMPT_CHARACTERS = "abcdefghijklmnopqrstuvwxyz0123456789 .,:;!?+-*/=()[]<>'\"_#@"
 """Every character a built-in prompt or target uses; the tiny model's tokenizer covers them."""
@@ -40,12 +42,42 @@ class SplitError(ValueError):
     """An environment whose prompts cannot fill a split (too few distinct prompts)."""
 
 
+Message = Mapping[str, str]
+"""One chat message: ``{"role": "system" | "user" | "assistant", "content": str}``."""
+
+
 @dataclass(frozen=True)
 class Prompt:
-    """A task instance: the text the model continues and the answer a perfect model writes."""
+    """A task instance: the text the model continues and the answer a perfect model writes.
+
+    An environment for chat models also gives ``messages``; a tokenizer with a chat template
+    renders those instead of ``text`` (see :func:`~.prompts.prompt_token_ids`). ``text`` stays
+    the prompt's identity (its split is decided by it) and what a tokenizer without a template
+    continues; built from ``messages`` it is their contents, one per line. ``info`` is the
+    environment's own data for scoring (a library's task entry, say), opaque to everyone else.
+    """
 
     text: str
     target: str
+    messages: tuple[Message, ...] | None = field(default=None, hash=False)
+    info: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.messages is None:
+            return
+        messages = tuple(_checked_message(m) for m in self.messages)
+        if not messages:
+            raise ValueError("a prompt's messages, when given, must not be empty")
+        object.__setattr__(self, "messages", messages)
+        if not self.text:
+            object.__setattr__(self, "text", "\n".join(m["content"] for m in messages))
+
+    @classmethod
+    def chat(
+        cls, messages: Sequence[Message], target: str, info: Mapping[str, Any] | None = None
+    ) -> Prompt:
+        """A prompt given as chat messages; its ``text`` is their contents, one per line."""
+        return cls(text="", target=target, messages=tuple(messages), info=dict(info or {}))
 
 
 class Environment(ABC):
@@ -121,6 +153,16 @@ class Environment(ABC):
                 found.append(prompt)
             index += 1
         return found
+
+
+def _checked_message(message: Message) -> dict[str, str]:
+    role, content = message.get("role"), message.get("content")
+    if role not in ("system", "user", "assistant") or not isinstance(content, str):
+        raise ValueError(
+            "a chat message is {'role': 'system' | 'user' | 'assistant', 'content': str}, "
+            f"got {dict(message)!r}"
+        )
+    return {"role": role, "content": content}
 
 
 def _redraw_index(name: str, index: int, draw: int) -> int:

@@ -1,13 +1,17 @@
 """Resolve a run's ``env`` setting to an :class:`~.base.Environment`.
 
-``env`` names a built-in (``reverse``, ``copy``, ``add``) or a plugin as
-``package.module:factory``. A factory is called as ``factory(seed=seed, **env_args)`` and must
-return an Environment; a class deriving from Environment is a factory.
+``env`` names a built-in (``reverse``, ``copy``, ``add``), a task of an environment library
+(``reasoning_gym:<task>``, ``verifiers:<taskset id>``; each library an optional extra, imported
+only when named) or a plugin as ``package.module:factory``. A factory is called as
+``factory(seed=seed, **env_args)`` and must return an Environment; a class deriving from
+Environment is a factory.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -24,16 +28,28 @@ BUILTIN_ENVS: dict[str, EnvFactory] = {
 }
 
 
+LIBRARY_ENVS: dict[str, tuple[str, str]] = {
+    "reasoning_gym": ("services.envs.reasoning_gym_env:reasoning_gym_env", "reasoning-gym"),
+    "verifiers": ("services.envs.verifiers_env:verifiers_env", "verifiers"),
+}
+"""Library prefix -> (the factory called as ``factory(name, seed=seed, **env_args)``, the
+plexrl extra that installs the library)."""
+
+
 class EnvLoadError(ValueError):
     """An ``env`` setting that does not give an environment; the message says what to change."""
 
 
 def load_environment(spec: str, seed: int, **env_args: Any) -> Environment:
     """The environment named by ``spec``, built with ``seed`` and ``env_args``."""
-    factory = BUILTIN_ENVS.get(spec) or _import_factory(spec)
+    library, _, name = spec.partition(":")
+    if library in LIBRARY_ENVS:
+        factory = _library_factory(spec, library, name)
+    else:
+        factory = BUILTIN_ENVS.get(spec) or _import_factory(spec)
     try:
         env = factory(seed=seed, **env_args)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, ImportError, AttributeError) as exc:
         raise EnvLoadError(
             f"environment {spec!r} rejected seed={seed} env_args={env_args}: {exc}"
         ) from exc
@@ -47,6 +63,18 @@ def load_environment(spec: str, seed: int, **env_args: Any) -> Environment:
             f"environment {spec!r} has no name; set the class attribute 'name' to a non-empty str"
         )
     return env
+
+
+def _library_factory(spec: str, library: str, name: str) -> EnvFactory:
+    target, extra = LIBRARY_ENVS[library]
+    if not name:
+        raise EnvLoadError(f"environment {spec!r} names no task: use '{library}:<name>'")
+    if importlib.util.find_spec(library) is None:
+        raise EnvLoadError(
+            f"environment {spec!r} needs the {library} library: pip install 'plexrl[{extra}]'"
+        )
+    factory = _import_factory(target)
+    return functools.partial(factory, name)
 
 
 def _import_factory(spec: str) -> EnvFactory:

@@ -258,4 +258,10 @@ def _eos_ids(model_dir: Path, config: dict[str, Any]) -> list[int]:
             ids.add(value)
         elif isinstance(value, list):
             ids.update(int(v) for v in value)
+    # a chat model's turn ends at its template's end-of-turn token, as in the torch engine
+    from transformers import AutoTokenizer
+
+    from services.envs import end_of_turn_ids
+
+    ids.update(end_of_turn_ids(AutoTokenizer.from_pretrained(model_dir)))
     return sorted(ids)

@@ -51,6 +51,7 @@ from typing import Any, Literal
 
 import torch
 
+from services.envs.prompts import end_of_turn_ids
 from services.model.lora import MultiLoRA
 
 GREEDY = 0.0
@@ -278,7 +279,8 @@ def generate_batch(
 
 
 def eos_token_ids(model: Any, tokenizer: Any = None) -> list[int]:
-    """Every end-of-sequence id the model's generation config or tokenizer names."""
+    """Every end-of-sequence id the model's generation config or tokenizer names, and the
+    chat template's end-of-turn token (a chat model ends its reply there, not on ``<eos>``)."""
     ids: list[int] = []
     for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
         value = getattr(source, "eos_token_id", None)
@@ -288,4 +290,6 @@ def eos_token_ids(model: Any, tokenizer: Any = None) -> list[int]:
             ids.extend(int(v) for v in value)
     if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
         ids.append(int(tokenizer.eos_token_id))
+    if tokenizer is not None:
+        ids.extend(end_of_turn_ids(tokenizer))
     return sorted(set(ids))

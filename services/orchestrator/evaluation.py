@@ -179,7 +179,7 @@ class HeldOutEvaluator:
         self.client = client
         self.base_path = run_dir(output_dir, run_id) / BASE_NAME
         self.prompts = env.heldout_prompts(config.eval.num_prompts)
-        self.token_ids = [prompt_token_ids(tokenizer, p.text) for p in self.prompts]
+        self.token_ids = [prompt_token_ids(tokenizer, p) for p in self.prompts]
         self._in_flight = asyncio.Semaphore(max_concurrent_requests)
         self.version_wait_s = min(max(client.timeout / 2, 0.1), 3600.0)
 

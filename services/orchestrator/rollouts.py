@@ -87,7 +87,7 @@ def plan_step(env: Environment, tokenizer: Any, step: int, batch_size: int) -> l
     for j in range(batch_size):
         index = prompt_index(step, batch_size, j)
         prompt = env.train_prompt(index)
-        planned.append(PlannedPrompt(index, prompt, prompt_token_ids(tokenizer, prompt.text)))
+        planned.append(PlannedPrompt(index, prompt, prompt_token_ids(tokenizer, prompt)))
     return planned
 
 
@@ -111,7 +111,7 @@ def plan_refill(
     for j in range(count):
         index = refill_index(step, refill_round, j)
         prompt = env.train_prompt(index)
-        planned.append(PlannedPrompt(index, prompt, prompt_token_ids(tokenizer, prompt.text)))
+        planned.append(PlannedPrompt(index, prompt, prompt_token_ids(tokenizer, prompt)))
     return planned
 
 

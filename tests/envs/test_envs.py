@@ -210,3 +210,14 @@ def test_bad_specs_say_what_is_wrong(
 def test_negative_index_is_rejected() -> None:
     with pytest.raises(ValueError, match="prompt index must be >= 0"):
         ReverseEnv().prompt(-1)
+
+
+def test_a_missing_environment_library_names_the_extra_that_installs_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from services.envs import LIBRARY_ENVS
+
+    target = "services.envs.verifiers_env:verifiers_env"
+    monkeypatch.setitem(LIBRARY_ENVS, "plexrl_absent_library", (target, "absent"))
+    with pytest.raises(EnvLoadError, match=r"pip install 'plexrl\[absent\]'"):
+        load_environment("plexrl_absent_library:task", seed=0)

@@ -8,8 +8,9 @@ import pytest
 
 from schemas.events import Completion, GenerateResponse
 from services.envs import load_environment
-from services.model.tokenizer import character_vocab
+from services.model.tokenizer import build_char_tokenizer, character_vocab
 from services.orchestrator import rollouts
+from tests.envs.chat_model import build_chat_tokenizer
 
 from .conftest import RUN, orch_config
 
@@ -54,6 +55,20 @@ def test_plan_and_request_carry_the_run_settings(tokenizer: Any) -> None:
     assert request.seed == rollouts.request_seed(7, 4, 13)
     assert request.timeout_s == 30.0
     assert request.request_id == f"{RUN}/step_4/prompt_13"
+
+
+def test_a_chat_environments_prompts_are_planned_through_the_chat_template() -> None:
+    pytest.importorskip("reasoning_gym")
+    chat_tokenizer = build_chat_tokenizer()
+    env = load_environment("reasoning_gym:basic_arithmetic", seed=7)
+    planned = rollouts.plan_step(env, chat_tokenizer, 0, 2)
+    for p in planned:
+        assert chat_tokenizer.decode(p.token_ids) == (
+            f"<|im_start|>user\n{p.prompt.text}<|im_end|>\n<|im_start|>assistant\n"
+        )
+    # the same environment for a model without a template: <bos> and the question
+    text_ids = rollouts.plan_step(env, build_char_tokenizer(), 0, 2)[0].token_ids
+    assert text_ids[0] == VOCAB["<bos>"] and len(text_ids) == len(planned[0].prompt.text) + 1
 
 
 def _completion(ids: list[int], reason: str = "stop") -> Completion:
