@@ -88,7 +88,8 @@ class ForwardBackwardResult(Event, frozen=True, kw_only=True, tag="forward_backw
     Producer: trainer. Consumer: the requester.
     ``loss_fn_outputs[i]`` belongs to ``data[i]``: ``logprobs`` (of each target token under the
     run's current adapter) and ``elementwise_loss`` (each position's weighted loss term).
-    ``metrics`` holds ``loss:sum`` and the number of tokens. ``step`` is the number of optimizer
+    ``metrics`` holds ``loss:sum``, ``tokens:sum`` and ``runs_in_pass:max`` (how many runs'
+    requests shared the trainer's pass), named ``<name>:<reduction>`` as the Tinker API does. ``step`` is the number of optimizer
     steps the adapter had taken. On failure ``loss_fn_outputs`` is empty, ``error`` says why, and
     no gradient was accumulated.
     """

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -40,6 +40,8 @@ class Command:
     kind: str
     tenant: str
     request: TrainRequest
+    trace: dict[str, str] = field(default_factory=dict)
+    """the request's trace headers (``traceparent``...): the trainer's spans continue its trace"""
 
 
 _RESULTS: dict[str, Callable[..., TrainResult]] = {
@@ -124,7 +126,8 @@ class CommandInbox:
                 ),
             )
             return
-        self._pending.append((Command(kind, tenant, request), msg))
+        trace = {k: v for k, v in headers.items() if k.lower() in ("traceparent", "tracestate")}
+        self._pending.append((Command(kind, tenant, request, trace), msg))
         self._wake()
 
     async def _reply(self, msg: Msg, result: msgspec.Struct) -> None:

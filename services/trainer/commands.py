@@ -54,7 +54,7 @@ from schemas.training import (
     SaveWeightsResult,
     TrainResult,
 )
-from services.bus import Bus
+from services.bus import Bus, tracing
 from services.runs.progress import write_progress
 from services.telemetry.metrics import record_trainer_step
 from services.trainer.checkpoint import checkpoints_dir, load_checkpoint, save_checkpoint
@@ -173,23 +173,30 @@ class CommandRunner:
                 continue
             valid.append((i, state, req))
         if valid:
-            with self._tracer.start_as_current_span(
-                "forward_backward",
-                attributes={
-                    "runs": len({s.run_id for _, s, _ in valid}),
-                    "requests": len(valid),
-                    "run_ids": sorted({s.run_id for _, s, _ in valid}),
-                },
-            ):
-                outcomes = await self._in_pool(
-                    forward_backward,
-                    self.model,
-                    self.lora,
-                    [(state.idx, req) for _, state, req in valid],
-                    token_budget=self.token_budget,
-                    pad_id=self.pad_id,
-                    device=self.device,
-                )
+            started = time.time_ns()
+            outcomes = await self._in_pool(
+                forward_backward,
+                self.model,
+                self.lora,
+                [(state.idx, req) for _, state, req in valid],
+                token_budget=self.token_budget,
+                pad_id=self.pad_id,
+                device=self.device,
+            )
+            ended = time.time_ns()
+            runs = sorted({s.run_id for _, s, _ in valid})
+            for i, state, req in valid:  # one span per request, in the request's own trace
+                self._tracer.start_span(
+                    "train forward_backward",
+                    context=tracing.extract(work[i][1].trace),
+                    start_time=started,
+                    attributes={
+                        "run_id": state.run_id,
+                        "request_id": req.request_id,
+                        "runs_in_pass": len(runs),
+                        "requests_in_pass": len(valid),
+                    },
+                ).end(end_time=ended)
             if len({s.run_id for _, s, _ in valid}) > 1:
                 self.shared_passes += 1
             for (i, state, req), outcome in zip(valid, outcomes, strict=True):
@@ -213,7 +220,7 @@ class CommandRunner:
             metrics={
                 "loss:sum": outcome.loss if outcome.error is None else 0.0,
                 "tokens:sum": float(outcome.num_tokens),
-                "runs_in_pass": float(outcome.runs_in_pass),
+                "runs_in_pass:max": float(outcome.runs_in_pass),
             },
             step=state.progress.step,
             error=outcome.error,
@@ -222,7 +229,9 @@ class CommandRunner:
     async def _one(self, state: RunState, command: Command) -> TrainResult:
         req = command.request
         with self._tracer.start_as_current_span(
-            f"train {command.kind}", attributes={"run_id": req.run_id, "request_id": req.request_id}
+            f"train {command.kind}",
+            context=tracing.extract(command.trace),
+            attributes={"run_id": req.run_id, "request_id": req.request_id},
         ) as span:
             try:
                 if isinstance(req, OptimStepRequest):
