@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "services.trainer.cli",
     "services.inference.cli",
     "services.orchestrator.cli",
+    "services.gateway.cli",
     "services.registry.client_cli",
     "services.model.cli",
     "services.tenants.cli",

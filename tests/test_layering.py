@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
     "trainer": 3,
     "inference": 3,
     "orchestrator": 3,
+    "gateway": 3,
     "up": 4,
     "cli": 4,  # services/cli.py and services/__main__.py
 }

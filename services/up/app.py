@@ -107,11 +107,16 @@ async def run_up(
         full_weights = ["--full-weights"] if settings.full_weights else []
         transport_flags = _transport_flags(settings.weight_transport)
         start_worker("trainer", settings.trainer_threads, *transport_flags, *full_weights)
+        if settings.gateway:
+            port = str(settings.gateway_port)
+            sup.start("gateway", ["gateway", "--model", str(model_dir), "--port", port, *common])
         bus = await Bus.connect(nats_url, "up")
         from services.model.loader import load_tokenizer
 
         tokenizer = load_tokenizer(model_dir)
         await _wait_for_inference(bus, sup, console)
+        if not planned:
+            return await _serve_gateway(settings, model_dir, sup, stop, console)
         name = settings.sweep_name
         driven = await drive_runs(
             bus,
@@ -155,6 +160,22 @@ async def run_up(
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     console.print(f"metrics, plots and logs under {output_dir}")
     return driven.exit_code
+
+
+async def _serve_gateway(
+    settings: UpSettings, model_dir: Path, sup: Supervisor, stop: asyncio.Event, console: Console
+) -> int:
+    """No runs of its own: serve the gateway's clients until Ctrl-C (or a service fails)."""
+    url = f"http://127.0.0.1:{settings.gateway_port}"
+    console.print(
+        f"gateway: {url} (Tinker: base_url={url!r}; OpenAI: {url}/v1); "
+        f"base model {str(model_dir)!r}. Ctrl-C stops everything."
+    )
+    while not stop.is_set():
+        sup.check()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 1.0)
+    return 0
 
 
 def _child_metrics_ports() -> dict[str, dict[str, str]]:

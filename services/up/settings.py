@@ -54,6 +54,12 @@ class UpSettings(BaseModel):
         None, description="where trainer and inference run (default: their own defaults)"
     )
     live: bool = Field(True, description="show the live table (off when stdout is not a terminal)")
+    gateway: bool = Field(
+        False,
+        description="also start the HTTP gateway (Tinker and OpenAI APIs); then no demo runs "
+        "start unless --runs is given, and everything serves until Ctrl-C",
+    )
+    gateway_port: int = Field(8000, ge=0, le=65535, description="the gateway's HTTP port")
     run: dict[str, Any] = Field(
         default_factory=dict,
         description="orch.toml keys applied to every demo run (e.g. [run.optim] lr = 2e-3)",
@@ -96,6 +102,8 @@ class UpSettings(BaseModel):
         :class:`ConfigError` before anything starts."""
         if self.sweep is not None:
             return expand(self.sweep, self.run_config_dict(self.envs[0], 0), self.envs[0])
+        if self.gateway and "runs" not in self.model_fields_set:
+            return []  # the gateway's clients bring their own runs
         envs = [self.envs[i % len(self.envs)] for i in range(self.runs)]
         return [
             SweepRun(run_id, self.run_config(env, seed))

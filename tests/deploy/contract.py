@@ -29,6 +29,7 @@ SETTINGS_BY_COMMAND = {
     "trainer": "services.trainer.settings:TrainerSettings",
     "inference": "services.inference.settings:InferenceSettings",
     "orchestrator": "services.orchestrator.settings:OrchestratorSettings",
+    "gateway": "services.gateway.settings:GatewaySettings",
 }
 
 # Read by every command: the process settings (metrics port and host among them), and the

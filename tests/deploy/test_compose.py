@@ -92,6 +92,7 @@ def test_every_plexrl_service_runs_a_known_command(compose: dict[str, Any]) -> N
         "orchestrator-copy": "orchestrator",
         "orchestrator-add": "orchestrator",
         "orchestrator": "orchestrator",
+        "gateway": "gateway",
     }
     assert set(compose["services"]) - set(commands) == {"nats", "jaeger", ONE_SHOT}
 
@@ -111,8 +112,9 @@ def test_compose_environment_is_valid_settings(compose: dict[str, Any]) -> None:
     for name, (command, svc) in plexrl_services(compose).items():
         env = {k: str(v) for k, v in svc["environment"].items()}
         settings = load_settings(settings_class(command), None, {}, environ=env)
-        assert str(settings.output_dir) == env["PLEXRL_OUTPUT_DIR"], name
-        if command in ("trainer", "inference", "orchestrator"):
+        if "output_dir" in type(settings).model_fields:  # the gateway has no run directories
+            assert str(settings.output_dir) == env["PLEXRL_OUTPUT_DIR"], name
+        if command in ("trainer", "inference", "orchestrator", "gateway"):
             assert str(settings.model) == env["PLEXRL_MODEL"], name
 
 
@@ -147,7 +149,11 @@ def test_every_plexrl_service_reaches_nats_and_jaeger_by_service_name(
 
 def test_output_directory_is_one_shared_named_volume(compose: dict[str, Any]) -> None:
     assert "outputs" in compose["volumes"]
-    for name, (_, svc) in plexrl_services(compose).items():
+    for name, (command, svc) in plexrl_services(compose).items():
+        if command == "gateway":  # no run directories: it reaches runs through the bus
+            assert "PLEXRL_OUTPUT_DIR" not in svc["environment"]
+            assert not any(v.startswith("outputs:") for v in svc["volumes"]), name
+            continue
         mount = f"outputs:{svc['environment']['PLEXRL_OUTPUT_DIR']}"
         assert mount in svc["volumes"], f"{name} does not mount {mount}"
 

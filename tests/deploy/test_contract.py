@@ -34,11 +34,13 @@ def test_every_process_setting_is_used_and_read_through_the_loader() -> None:
 def test_settings_models_give_the_variables_the_deploy_files_rely_on() -> None:
     for command in SETTINGS_BY_COMMAND:
         names = env_read_by(command)
-        assert {"PLEXRL_NATS_URL", "PLEXRL_OUTPUT_DIR", "OTEL_SERVICE_NAME"} <= names, command
+        assert {"PLEXRL_NATS_URL", "OTEL_SERVICE_NAME"} <= names, command
+        assert ("PLEXRL_OUTPUT_DIR" in names) == (command != "gateway"), command
     assert {"PLEXRL_MAX_RUNS", "PLEXRL_MAX_LORA_RANK"} <= env_read_by("registry")
     assert {"PLEXRL_MODEL", "PLEXRL_WEIGHT_TRANSPORT", "PLEXRL_DEVICE"} <= env_read_by("trainer")
     assert {"PLEXRL_ENGINE", "PLEXRL_REPLICA_NAME", "PLEXRL_THREADS"} <= env_read_by("inference")
     assert "PLEXRL_MODEL" in env_read_by("orchestrator")
+    assert {"PLEXRL_MODEL", "PLEXRL_HOST", "PLEXRL_PORT"} <= env_read_by("gateway")
     assert "PLEXRL_MAX_RUNS" not in env_read_by("orchestrator")
 
 

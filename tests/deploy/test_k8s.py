@@ -163,7 +163,8 @@ def test_k8s_sets_only_environment_variables_the_services_read(
         unread = set(env) - env_read_by(command)
         assert not unread, f"{workload} (plexrl {command}) sets variables it never reads: {unread}"
         settings = load_settings(settings_class(command), None, {}, environ=env)
-        assert str(settings.output_dir) == "/var/lib/plexrl/outputs"
+        if command != "gateway":  # the gateway has no run directories
+            assert str(settings.output_dir) == "/var/lib/plexrl/outputs"
         assert env["PLEXRL_NATS_URL"] == "nats://nats:4222"
         assert env["OTEL_SERVICE_NAME"] == f"plexrl-{command}"
         seen.add((workload, command))
@@ -174,6 +175,7 @@ def test_k8s_sets_only_environment_variables_the_services_read(
         ("orchestrator-reverse", "orchestrator"),
         ("orchestrator-copy", "orchestrator"),
         ("orchestrator-add", "orchestrator"),
+        ("gateway", "gateway"),
     }
 
 
@@ -182,6 +184,9 @@ def test_pool_settings_are_shared_by_registry_trainer_and_inference(
 ) -> None:
     for workload, command, container in _plexrl_containers(docs):
         refs = {r["configMapRef"]["name"] for r in container.get("envFrom") or []}
+        if command == "gateway":  # plexrl-env names the output directory it never reads
+            assert refs == {"plexrl-model-env"}, workload
+            continue
         assert "plexrl-env" in refs, workload
         assert ("plexrl-pool-env" in refs) == (command != "orchestrator"), workload
         assert ("plexrl-model-env" in refs) == (command != "registry"), workload
@@ -232,6 +237,9 @@ def test_plexrl_pods_run_as_the_image_user(docs: list[tuple[str, dict[str, Any]]
         assert ctx["runAsUser"] == ctx["fsGroup"] == 10001, workload
         assert container["securityContext"]["allowPrivilegeEscalation"] is False
         mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        if workload == "gateway":
+            assert set(mounts) == {"/var/lib/plexrl/auth"}
+            continue
         assert mounts["/var/lib/plexrl/outputs"] == "outputs", workload
 
 

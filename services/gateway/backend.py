@@ -1,0 +1,299 @@
+"""The gateway's side of the bus: the run table, run submission, generation and training commands.
+
+Every HTTP route reaches plexrl through one :class:`Backend`, which holds nothing a restart
+would lose: runs live in the registry, adapters and optimizers in the trainer, loaded weights in
+inference. It acts for one tenant (``PLEXRL_TENANT``) and uses that tenant's subjects only, so
+the broker's permissions bound what an HTTP client can reach.
+
+Failures come back as :class:`GatewayError`, which carries the HTTP status and a message that
+says what was wrong; each API renders it in its own error shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgspec
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+
+from schemas.codec import decode
+from schemas.events import (
+    Event,
+    GenerateRequest,
+    GenerateResponse,
+    RunRow,
+    RunSubmitted,
+    WeightsReady,
+)
+from schemas.subjects import (
+    WEIGHTS_STREAM,
+    generate_subject,
+    runs_subject,
+    tenant_weights_subject,
+)
+from schemas.training import train_subject
+from services.bus import Bus
+from services.bus.last import last_message
+from services.gateway.settings import GatewaySettings
+from services.runs.table import RunListFailed, list_runs
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R", bound=Event)
+
+RUN_ID = re.compile(r"^run_[A-Za-z0-9_-]{1,64}$")
+RETRY_PAUSE_S = 0.2
+
+# Conditions an inference replica reports that pass by themselves: a run its mirror has not
+# applied yet, a version not loaded yet, a busy or restarting replica.
+_TRANSIENT = re.compile(
+    r"not (yet )?(loaded|available|known|ready)|(loaded|available|known|ready) yet|"
+    r"unknown run|no adapter|not serving|busy|overloaded|try again|shutting down|draining",
+    re.IGNORECASE,
+)
+
+
+class GatewayError(Exception):
+    """A request the gateway cannot serve: ``status`` is the HTTP status, ``code`` a short
+    machine-readable reason (``model_not_found``, ``invalid_request``...)."""
+
+    def __init__(self, status: int, message: str, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """What an API ``model`` names: a run, and the oldest policy version it may answer with."""
+
+    run_id: str
+    min_version: int = 0
+    is_base: bool = False
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class Backend:
+    """The bus operations behind every route (see the module docstring)."""
+
+    def __init__(self, bus: Bus, settings: GatewaySettings, tenant: str) -> None:
+        self.bus = bus
+        self.settings = settings
+        self.tenant = tenant
+        self._base_ready = False
+        self._base_lock = asyncio.Lock()
+
+    # --- runs -------------------------------------------------------------------------------
+
+    async def runs(self) -> list[RunRow]:
+        """The runs this tenant may see, from the registry."""
+        try:
+            return await list_runs(self.bus, self.tenant, timeout=5.0)
+        except (NatsTimeout, NoRespondersError) as exc:
+            raise GatewayError(
+                503,
+                "no registry answers the run list; is `plexrl registry` running?",
+                "unavailable",
+            ) from exc
+        except RunListFailed as exc:
+            raise GatewayError(502, str(exc), "registry_error") from exc
+
+    async def run(self, run_id: str) -> RunRow | None:
+        return next((r for r in await self.runs() if r.run_id == run_id), None)
+
+    async def submit(self, run_id: str, config: dict[str, Any], by: str) -> RunRow:
+        """Submit a run and wait until the registry gives it an index (or refuses it)."""
+        event = RunSubmitted(run_id=run_id, config=config, submitted_by=by)
+        await self.bus.publish(
+            runs_subject("submit", self.tenant), event, msg_id=f"{run_id}/submit/{uuid.uuid4().hex}"
+        )
+        return await self.wait_active(run_id)
+
+    async def wait_active(self, run_id: str) -> RunRow:
+        deadline = time.monotonic() + self.settings.create_timeout_s
+        row: RunRow | None = None
+        while time.monotonic() < deadline:
+            row = await self.run(run_id)
+            if row is not None and row.status == "active":
+                return row
+            if row is not None and row.status in ("invalid", "evicted", "forgotten"):
+                raise GatewayError(
+                    400, f"the registry refused {run_id} ({row.status}): {row.detail}", "refused"
+                )
+            await asyncio.sleep(RETRY_PAUSE_S)
+        state = "is waiting for a free run slot" if row is not None else "was never registered"
+        raise GatewayError(
+            503,
+            f"{run_id} {state} after {self.settings.create_timeout_s:g}s; free a slot (evict a "
+            "run) or retry later",
+            "unavailable",
+        )
+
+    async def ensure_base(self) -> None:
+        """Make sure the never-trained run that serves the base model exists and is active."""
+        if self._base_ready:
+            return
+        async with self._base_lock:
+            if self._base_ready:
+                return
+            run_id = self.settings.base_run_id
+            row = await self.run(run_id)
+            if row is None or row.status != "active":
+                await self.submit(run_id, base_run_config(), "gateway")
+            self._base_ready = True
+
+    async def resolve(self, model: str) -> ModelRef:
+        """The run and minimum version a ``model`` name stands for; 404 when there is none.
+
+        ``run_x`` is the newest adapter inference holds, ``run_x@12`` any version >= 12, and
+        the base model's name (or the base run's id) the base model."""
+        if not model:
+            raise GatewayError(400, "`model` is required: a run id, run_id@version or the base")
+        if model == self.settings.base_name() or model == self.settings.base_run_id:
+            await self.ensure_base()
+            return ModelRef(self.settings.base_run_id, 0, is_base=True)
+        run_id, _, version_text = model.partition("@")
+        if not RUN_ID.match(run_id):
+            raise GatewayError(
+                404,
+                f"model {model!r} does not exist: name a run (run_<id>, run_<id>@<version>) or "
+                f"the base model {self.settings.base_name()!r}; GET /v1/models lists them",
+                "model_not_found",
+            )
+        version = 0
+        if version_text:
+            if not version_text.isdigit():
+                raise GatewayError(
+                    404,
+                    f"model {model!r}: the version after '@' must be a number",
+                    "model_not_found",
+                )
+            version = int(version_text)
+        row = await self.run(run_id)
+        if row is None or row.status != "active":
+            status = "does not exist" if row is None else f"is {row.status}"
+            raise GatewayError(404, f"model {run_id!r} {status}", "model_not_found")
+        if row.tenant != self.tenant:
+            raise GatewayError(
+                404,
+                f"model {run_id!r} belongs to tenant {row.tenant!r}; this gateway serves the "
+                f"runs of tenant {self.tenant!r}",
+                "model_not_found",
+            )
+        if version > 0:
+            published = await self.published_version(run_id)
+            if version > published:
+                raise GatewayError(
+                    404,
+                    f"model {model!r} is not available: the newest weights {run_id} has "
+                    f"published are version {published} (it has reached step {row.step or 0})",
+                    "model_not_found",
+                )
+        return ModelRef(run_id, version)
+
+    async def published_version(self, run_id: str) -> int:
+        """The version of the run's newest WeightsReady (0, the base, when it has none)."""
+        subject = tenant_weights_subject(run_id, self.tenant)
+        stored = await last_message(self.bus, WEIGHTS_STREAM, subject, tenant=self.tenant)
+        if stored is None:
+            return 0
+        return decode(stored.data, WeightsReady, stored.headers.get("Content-Type")).step
+
+    # --- generation ---------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        ref: ModelRef,
+        prompts: list[list[int]],
+        *,
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None = None,
+    ) -> GenerateResponse:
+        """Completions from inference, retried while the condition is transient."""
+        timeout = self.settings.request_timeout_s
+        request = GenerateRequest(
+            request_id=new_request_id("gw"),
+            run_id=ref.run_id,
+            prompts=prompts,
+            n=n,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            min_policy_version=ref.min_version,
+            seed=seed,
+            timeout_s=min(timeout, 3600.0),
+        )
+        subject = generate_subject(self.tenant)
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                answer = await self.bus.request(
+                    subject, request, GenerateResponse, timeout=max(left, 0.1)
+                )
+            except NoRespondersError:
+                reason = "no inference replica is running"
+            except NatsTimeout:
+                reason = f"inference did not answer within {timeout:g}s"
+            else:
+                if answer.error is None:
+                    return answer
+                if not _TRANSIENT.search(answer.error):
+                    raise GatewayError(400, f"inference refused the request: {answer.error}")
+                reason = f"inference: {answer.error}"
+            if time.monotonic() + RETRY_PAUSE_S >= deadline:
+                raise GatewayError(503, reason, "unavailable")
+            await asyncio.sleep(RETRY_PAUSE_S)
+
+    # --- training commands --------------------------------------------------------------------
+
+    async def train(self, kind: str, request: Event, result_type: type[R]) -> R:
+        """Send one training command and return its result. A trainer that is not listening
+        yet (restarting) is waited for; retries reuse the request id, so none applies twice."""
+        subject = train_subject(kind, self.tenant)
+        timeout = self.settings.request_timeout_s
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return await self.bus.request(subject, request, result_type, timeout=max(left, 0.1))
+            except NoRespondersError:
+                if time.monotonic() + RETRY_PAUSE_S >= deadline:
+                    raise GatewayError(
+                        503, "no trainer answers training commands", "unavailable"
+                    ) from None
+            except NatsTimeout:
+                raise GatewayError(
+                    504, f"the trainer did not answer {kind} within {timeout:g}s", "timeout"
+                ) from None
+            except msgspec.ValidationError as exc:
+                raise GatewayError(502, f"the trainer's answer to {kind}: {exc}") from exc
+            await asyncio.sleep(RETRY_PAUSE_S)
+
+
+def base_run_config() -> dict[str, Any]:
+    """The config of the run that serves the base model: it is never trained."""
+    return commands_config({"env": "reverse", "max_steps": 1})
+
+
+def commands_config(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` for a run trained by explicit commands (when the run config knows them)."""
+    from schemas.config import OrchConfig
+
+    if "driver" in OrchConfig.model_fields:
+        return {**config, "driver": "commands"}
+    return config

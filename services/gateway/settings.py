@@ -1,0 +1,67 @@
+"""The gateway's settings: one pydantic model, loaded like every service's.
+
+Precedence, lowest first: defaults, ``--config FILE`` (TOML), ``PLEXRL_<FIELD>`` environment
+variables (``PLEXRL_MODEL``, ``PLEXRL_PORT``...), then command-line flags. The tenant the
+gateway acts for is the process setting ``PLEXRL_TENANT``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.config.fields import Token64
+
+
+class GatewaySettings(BaseModel):
+    """Everything ``plexrl gateway`` can be told."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: Path = Field(
+        ...,
+        description="the base model's Hugging Face directory (its tokenizer is the API's; "
+        "clients load it from this path)",
+    )
+    model_alias: str = Field(
+        "",
+        max_length=256,
+        description="the name the base model is served under (default: the directory's path)",
+    )
+    host: str = Field("127.0.0.1", description="address the HTTP server binds")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 picks a free one)")
+    base_run_id: str = Field(
+        "run_gateway_base",
+        pattern=r"^run_[A-Za-z0-9_-]{1,64}$",
+        description="the never-trained run that serves the base model by name (submitted on "
+        "first use; its policy version 0 is the base model)",
+    )
+    max_body_bytes: int = Field(
+        16 * 1024 * 1024, ge=1024, le=1 << 31, description="largest request body accepted"
+    )
+    max_tokens: int = Field(
+        4096, ge=1, le=65536, description="largest max_tokens one request may ask for"
+    )
+    max_samples: int = Field(
+        64, ge=1, le=1024, description="largest number of completions per prompt (n)"
+    )
+    request_timeout_s: float = Field(
+        120.0, gt=0, le=3600, description="how long inference or the trainer may take to answer"
+    )
+    create_timeout_s: float = Field(
+        60.0, gt=0, le=3600, description="how long a created model may wait for the registry"
+    )
+    poll_s: float = Field(
+        20.0, gt=0, le=40, description="how long retrieve_future holds a pending future"
+    )
+    future_ttl_s: float = Field(
+        3600.0, gt=0, le=86400, description="how long a finished future's result is kept"
+    )
+    service: Token64 = Field(
+        "gateway", description="service name: errors go to plexrl.errors.<service>"
+    )
+
+    def base_name(self) -> str:
+        """The base model's name in the APIs."""
+        return self.model_alias or str(self.model)

@@ -1,0 +1,294 @@
+"""The Tinker API, part one: client set-up, sessions, sampling and futures (``/api/v1``).
+
+What the ``tinker`` SDK sends, and what plexrl answers:
+
+- ``client/config``, ``client/dynamic_config``: the feature flags that keep the SDK on the
+  paths implemented here (API-key auth, plain httpx, uncompressed and serial
+  ``forward_backward`` chunks, per-request ``retrieve_future``).
+- ``create_session``, ``session_heartbeat``, ``telemetry``, ``healthz``: accepted; a session is
+  an id and nothing more (the gateway keeps no state a restart would lose).
+- ``get_server_capabilities``: the one base model this deployment serves.
+- ``create_sampling_session``, ``samplers/{id}``, ``asample``: sampling through
+  ``plexrl.inference.generate``. A sampling session's id names what it samples (a run and the
+  oldest version it may use, or the base model), so any gateway process can serve it.
+- ``retrieve_future``: a future's outcome, held for up to ``poll_s`` while it runs, then
+  ``try_again``; results the SDK reads as protobuf (samples, forward_backward outputs) are sent
+  as protobuf.
+
+The training routes are in :mod:`services.gateway.tinker_training`. Routes the SDK knows and
+plexrl does not implement (custom losses, external weights, checkpoint listings...) answer 404
+with ``{"detail": ...}``, which the SDK raises as ``NotFoundError``.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from services.gateway import wire
+from services.gateway.app import Gateway, gateway_of, read_json
+from services.gateway.backend import GatewayError, ModelRef
+from services.gateway.futures import Outcome
+from services.gateway.observe import note_run
+
+router = APIRouter(prefix="/api/v1")
+
+CLIENT_CONFIG = {
+    "pjwt_auth_enabled": False,
+    "use_pyqwest_transport": False,
+    "parallel_fwdbwd_chunks": False,
+    "proto_compress_fwdbwd": False,
+    "sample_use_retrieve_futures": False,
+    "sample_join_sampling_session": False,
+    "custom_loss_server_side": False,
+}
+SAMPLER_PREFIX = "sampler:"
+_SAMPLER_PATH = re.compile(r"^tinker://(run_[A-Za-z0-9_-]{1,64})/sampler_weights/(.+)@(\d+)$")
+
+
+def tinker_error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"detail": message}, status_code=status)
+
+
+def sampler_path(run_id: str, name: str, step: int) -> str:
+    """The ``tinker://`` path of saved sampler weights: the run and the version it reached."""
+    return f"tinker://{run_id}/sampler_weights/{name}@{step}"
+
+
+def sampler_id(ref: ModelRef) -> str:
+    """A new sampling session's id: what it samples, and a nonce of its own (a session's
+    requests are told apart by their ``seq_id``, which every session counts from 0)."""
+    what = "base" if ref.is_base else f"{ref.run_id}@{ref.min_version}"
+    return f"{SAMPLER_PREFIX}{what}:{uuid.uuid4().hex[:12]}"
+
+
+async def sampler_ref(gateway: Gateway, session_id: str) -> ModelRef:
+    """What a sampling session samples, read from its id."""
+    name = session_id.removeprefix(SAMPLER_PREFIX).partition(":")[0]
+    if not session_id.startswith(SAMPLER_PREFIX) or not name:
+        raise GatewayError(404, f"unknown sampling session {session_id!r}")
+    if name == "base":
+        return await gateway.backend.resolve(gateway.settings.base_name())
+    return await gateway.backend.resolve(name)  # run_x@<version>: checked as the OpenAI API does
+
+
+async def model_path_ref(
+    gateway: Gateway, model_path: str | None, base_model: str | None
+) -> ModelRef:
+    if model_path:
+        match = _SAMPLER_PATH.match(model_path)
+        if match is None:
+            raise GatewayError(
+                400,
+                f"model_path {model_path!r} is not sampler weights this gateway saved "
+                "(tinker://<run>/sampler_weights/<name>@<step>, from save_weights_for_sampler)",
+            )
+        return await gateway.backend.resolve(f"{match.group(1)}@{match.group(3)}")
+    return await gateway.backend.resolve(check_base(gateway, base_model))
+
+
+def check_base(gateway: Gateway, base_model: str | None) -> str:
+    served = gateway.settings.base_name()
+    if base_model not in (served, str(gateway.settings.model)):
+        raise GatewayError(
+            400, f"base model {base_model!r} is not served here; this deployment serves {served!r}"
+        )
+    return served
+
+
+# --- set-up and sessions ----------------------------------------------------------------------
+
+
+@router.post("/client/config")
+async def client_config() -> dict[str, Any]:
+    return CLIENT_CONFIG
+
+
+@router.post("/client/dynamic_config")
+async def client_dynamic_config() -> dict[str, Any]:
+    return {"refresh_interval_sec": 3600, "sample_cancel_enabled": False}
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.post("/create_session")
+async def create_session(request: Request) -> dict[str, Any]:
+    await read_json(request)
+    return {"type": "create_session", "session_id": f"session-{uuid.uuid4().hex}"}
+
+
+@router.post("/session_heartbeat")
+async def session_heartbeat(request: Request) -> dict[str, Any]:
+    await read_json(request)
+    return {"type": "session_heartbeat"}
+
+
+@router.post("/telemetry")
+async def telemetry(request: Request) -> dict[str, Any]:
+    await read_json(request)
+    return {"status": "accepted"}
+
+
+@router.get("/get_server_capabilities")
+async def get_server_capabilities(request: Request) -> dict[str, Any]:
+    gateway = gateway_of(request)
+    model = {"model_name": gateway.settings.base_name(), "trainable": True, "sampleable": True}
+    return {"supported_models": [model]}
+
+
+# --- sampling ---------------------------------------------------------------------------------
+
+
+@router.post("/create_sampling_session")
+async def create_sampling_session(request: Request) -> dict[str, Any]:
+    gateway = gateway_of(request)
+    body = await read_json(request)
+    ref = await model_path_ref(gateway, body.get("model_path"), body.get("base_model"))
+    return {"type": "create_sampling_session", "sampling_session_id": sampler_id(ref)}
+
+
+@router.get("/samplers/{session_id}")
+async def get_sampler(request: Request, session_id: str) -> dict[str, Any]:
+    gateway = gateway_of(request)
+    ref = await sampler_ref(gateway, session_id)
+    path = None if ref.is_base else sampler_path(ref.run_id, "weights", ref.min_version)
+    return {
+        "sampler_id": session_id,
+        "base_model": gateway.settings.base_name(),
+        "model_path": path,
+    }
+
+
+def _prompt_tokens(body: dict[str, Any]) -> list[int]:
+    chunks = (body.get("prompt") or {}).get("chunks") or []
+    tokens: list[int] = []
+    for chunk in chunks:
+        if chunk.get("type", "encoded_text") != "encoded_text":
+            raise GatewayError(
+                400, f"prompt chunks of type {chunk.get('type')!r} are not supported"
+            )
+        tokens.extend(int(t) for t in chunk.get("tokens", []))
+    if not tokens:
+        raise GatewayError(400, "the prompt is empty")
+    return tokens
+
+
+def _stopped(ids: list[int], stops: list[Any], gateway: Gateway) -> int:
+    """How many tokens to keep: through the first stop token, or through the token that
+    completes a stop string; ``len(ids)`` when none occurs."""
+    stop_ids = {s for s in stops if isinstance(s, int)}
+    texts = [s for s in stops if isinstance(s, str) and s]
+    for k, token in enumerate(ids):
+        if token in stop_ids:
+            return k + 1
+        if texts:
+            text = gateway.codec.text(ids[: k + 1])
+            if any(s in text for s in texts):
+                return k + 1
+    return len(ids)
+
+
+async def _sample(gateway: Gateway, ref: ModelRef, body: dict[str, Any]) -> Outcome:
+    params = body.get("sampling_params") or {}
+    if (
+        body.get("prompt_logprobs")
+        or body.get("topk_prompt_logprobs")
+        or body.get("topk_sample_logprobs")
+    ):
+        raise GatewayError(400, "prompt logprobs and top-k logprobs are not supported by plexrl")
+    if params.get("top_k", -1) not in (-1, 0):
+        raise GatewayError(400, "top_k sampling is not supported by plexrl (use top_p)")
+    prompt = _prompt_tokens(body)
+    try:
+        gateway.codec.check_ids(prompt)
+    except ValueError as exc:
+        raise GatewayError(400, str(exc)) from exc
+    n = int(body.get("num_samples", 1))
+    max_tokens = params.get("max_tokens") or gateway.settings.max_tokens
+    if not 1 <= n <= gateway.settings.max_samples or max_tokens > gateway.settings.max_tokens:
+        raise GatewayError(
+            400,
+            f"num_samples must be 1..{gateway.settings.max_samples} and max_tokens at most "
+            f"{gateway.settings.max_tokens}",
+        )
+    answer = await gateway.backend.generate(
+        ref,
+        [prompt],
+        n=n,
+        max_tokens=int(max_tokens),
+        temperature=float(params.get("temperature", 1.0)),
+        top_p=float(params.get("top_p", 1.0)),
+        seed=params.get("seed"),
+    )
+    stops = params.get("stop")
+    stops = [stops] if isinstance(stops, str | int) else list(stops or [])
+    sequences: list[tuple[list[int], list[float], str]] = []
+    for c in answer.completions[0]:
+        ids, logprobs = list(c.token_ids), list(c.logprobs)
+        reason: str = c.finish_reason
+        keep = _stopped(ids, stops, gateway)
+        if keep < len(ids):
+            ids, logprobs, reason = ids[:keep], logprobs[:keep], "stop"
+        sequences.append((ids, logprobs, reason))
+    return Outcome(proto=wire.encode_sample_response(sequences))
+
+
+@router.post("/asample")
+async def asample(request: Request) -> dict[str, Any]:
+    gateway = gateway_of(request)
+    body = await read_json(request)
+    session = body.get("sampling_session_id")
+    if session:
+        ref = await sampler_ref(gateway, str(session))
+        seq = body.get("seq_id")
+        request_id = f"sample:{session}:{seq}" if seq is not None else f"sample:{uuid.uuid4().hex}"
+    else:
+        ref = await model_path_ref(gateway, body.get("model_path"), body.get("base_model"))
+        request_id = f"sample:{uuid.uuid4().hex}"
+    note_run(request, ref.run_id)
+    gateway.futures.start(request_id, lambda: _sample(gateway, ref, body))
+    n = int(body.get("num_samples", 1))
+    return {
+        "request_id": request_id,
+        "sample_sequence_ids": [f"{request_id}/{i}" for i in range(n)],
+    }
+
+
+# --- futures ----------------------------------------------------------------------------------
+
+
+@router.post("/retrieve_future")
+async def retrieve_future(request: Request) -> Response:
+    gateway = gateway_of(request)
+    body = await read_json(request)
+    request_id = str(body.get("request_id", ""))
+    try:
+        outcome = await gateway.futures.wait(request_id, gateway.settings.poll_s)
+    except KeyError:
+        raise GatewayError(
+            404,
+            f"unknown request {request_id!r}: it finished more than {gateway.settings.future_ttl_s:g}s "
+            "ago, or this gateway restarted since; send the request again",
+        ) from None
+    if outcome is None:
+        return JSONResponse(
+            {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+        )
+    if outcome.error is not None:
+        return JSONResponse({"error": outcome.error, "category": outcome.category})
+    if outcome.proto is not None:
+        return Response(outcome.proto, media_type=wire.PROTOBUF)
+    return JSONResponse(outcome.body or {})
+
+
+@router.post("/cancel_future")
+async def cancel_future(request: Request) -> dict[str, Any]:
+    await read_json(request)
+    return {}

@@ -1,0 +1,319 @@
+"""The Tinker API, part two: training clients (``/api/v1``).
+
+- ``create_model``: a LoRA training client becomes a plexrl run, submitted to the registry with
+  ``driver = "commands"`` and the requested rank (quotas and refusals are the registry's). Its
+  id is derived from the session and the client's ``model_seq_id``, so a resent request finds
+  the same run. The run's LoRA targets are the trainer's (``--target-modules``); a client that
+  asks to leave out the MLP, attention or unembedding layers is refused.
+- ``get_info``: the base model, and the model directory as the tokenizer id (the SDK loads it
+  from that path, offline).
+- ``forward_backward`` (protobuf in, protobuf out; ``forward`` is the same request with
+  ``forward_only``), ``optim_step``, ``save_weights_for_sampler``, ``save_weights``,
+  ``load_weights``: one training command each (:mod:`schemas.training`), sent as a future of
+  the model, in the order the client sent them. The command's ``request_id`` is the future's
+  id, built from the model and the request's ``seq_id``: a resent request is applied once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from schemas.training import (
+    LOSS_FN_INPUT_KEYS,
+    LOSS_FNS,
+    AdamParams,
+    Datum,
+    ForwardBackwardRequest,
+    ForwardBackwardResult,
+    LoadWeightsRequest,
+    LoadWeightsResult,
+    OptimStepRequest,
+    OptimStepResult,
+    SaveWeightsRequest,
+    SaveWeightsResult,
+)
+from services.gateway import wire
+from services.gateway.app import gateway_of, read_body, read_json
+from services.gateway.backend import RUN_ID, GatewayError, ModelRef, commands_config
+from services.gateway.futures import Outcome
+from services.gateway.observe import note_run
+from services.gateway.tinker_api import check_base, sampler_id, sampler_path
+
+router = APIRouter(prefix="/api/v1")
+
+LORA_ALPHA = 32.0
+"""Tinker's LoRA scale: alpha 32 at every rank."""
+_STATE_PATH = re.compile(r"^tinker://(run_[A-Za-z0-9_-]{1,64})/weights/([A-Za-z0-9_.-]{1,128})$")
+_NAME = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def run_id_for(session_id: str, model_seq_id: int) -> str:
+    digest = hashlib.sha256(f"{session_id}/{model_seq_id}".encode()).hexdigest()
+    return f"run_tk_{digest[:20]}"
+
+
+def _model_id(body: dict[str, Any]) -> str:
+    """The run a request's ``model_id`` names: the run id ``create_model`` answered, or the id
+    the SDK derives itself (``<session>:train:<model_seq_id>``) for the same run."""
+    model_id = str(body.get("model_id") or "")
+    session, _, seq = model_id.rpartition(":train:")
+    if session and seq.isdigit():
+        return run_id_for(session, int(seq))
+    if not RUN_ID.match(model_id):
+        raise GatewayError(404, f"unknown model {model_id!r}")
+    return model_id
+
+
+def _future_id(kind: str, model_id: str, body: dict[str, Any]) -> str:
+    seq = body.get("seq_id")
+    if seq is None:
+        return f"{kind}:{model_id}:{uuid.uuid4().hex}"
+    return f"{kind}:{model_id}:{int(seq)}"
+
+
+# The SDK combines the metrics of a call's chunks by the reduction each key names after a colon
+# ("loss:sum"); a trainer metric that names none is averaged.
+
+
+def _refused(error: str | None) -> None:
+    if error is not None:
+        raise GatewayError(400, error)
+
+
+# --- models -----------------------------------------------------------------------------------
+
+
+@router.post("/create_model")
+async def create_model(request: Request) -> dict[str, Any]:
+    gateway = gateway_of(request)
+    body = await read_json(request)
+    check_base(gateway, body.get("base_model"))
+    lora = body.get("lora_config")
+    if not isinstance(lora, dict):
+        raise GatewayError(400, "plexrl trains LoRA adapters: create_model needs a lora_config")
+    left_out = [k for k in ("train_mlp", "train_attn", "train_unembed") if lora.get(k) is False]
+    if left_out:
+        raise GatewayError(
+            400,
+            f"{', '.join(left_out)} = False: plexrl trains the LoRA targets the trainer was "
+            "started with (--target-modules) for every run",
+        )
+    optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
+    if optimizer != "adamw":
+        raise GatewayError(400, f"optimizer {optimizer!r} is not supported; plexrl uses AdamW")
+    run_id = run_id_for(str(body.get("session_id", "")), int(body.get("model_seq_id", 0)))
+    config: dict[str, Any] = {
+        "env": "reverse",
+        "max_steps": 10_000_000,
+        "model": {"lora": {"rank": int(lora.get("rank", 32)), "alpha": LORA_ALPHA}},
+    }
+    if lora.get("seed") is not None:
+        config["seed"] = int(lora["seed"])
+
+    async def work() -> Outcome:
+        row = await gateway.backend.run(run_id)
+        if row is None or row.status != "active":
+            await gateway.backend.submit(run_id, commands_config(config), "gateway")
+        return Outcome(body={"model_id": run_id, "type": "create_model"})
+
+    request_id = f"create_model:{run_id}"
+    gateway.futures.start(request_id, work, order=run_id)
+    return {"request_id": request_id, "model_id": run_id}
+
+
+@router.post("/get_info")
+async def get_info(request: Request) -> dict[str, Any]:
+    gateway = gateway_of(request)
+    model_id = _model_id(await read_json(request))
+    note_run(request, model_id)
+    row = await gateway.backend.run(model_id)
+    if row is None or row.status != "active":
+        raise GatewayError(404, f"model {model_id!r} is not an active run")
+    base = gateway.settings.base_name()
+    return {
+        "type": "get_info",
+        "model_data": {
+            "arch": None,
+            "model_name": base,
+            "tokenizer_id": str(gateway.settings.model),
+        },
+        "model_id": model_id,
+        "is_lora": True,
+        "model_name": base,
+    }
+
+
+# --- training commands ------------------------------------------------------------------------
+
+
+def _datum(d: wire.FwdBwdDatum, loss_fn: str) -> Datum:
+    missing = [
+        k for k in LOSS_FN_INPUT_KEYS[loss_fn] if k not in d.loss_fn_inputs and k != "weights"
+    ]
+    if missing:
+        raise GatewayError(400, f"loss_fn {loss_fn!r} needs loss_fn_inputs {missing}")
+    return Datum(model_input=d.tokens, loss_fn_inputs=d.loss_fn_inputs)
+
+
+@router.post("/forward_backward")
+async def forward_backward(request: Request) -> dict[str, Any]:
+    gateway = gateway_of(request)
+    if request.headers.get("content-encoding", "identity") != "identity":
+        raise GatewayError(415, "send forward_backward uncompressed (no Content-Encoding)")
+    try:
+        req = wire.decode_forward_backward(
+            await read_body(request, gateway.settings.max_body_bytes)
+        )
+    except wire.WireError as exc:
+        raise GatewayError(400, f"forward_backward: not a ForwardBackwardRequest: {exc}") from exc
+    model_id = _model_id({"model_id": req.model_id})
+    note_run(request, model_id)
+    kind = "forward" if req.forward_only else "forward_backward"
+
+    async def work() -> Outcome:
+        if req.loss_fn not in LOSS_FNS:
+            raise GatewayError(
+                400,
+                f"loss_fn {req.loss_fn!r} is not supported by plexrl; use one of "
+                f"{', '.join(LOSS_FNS)}",
+            )
+        if not req.data:
+            raise GatewayError(400, "forward_backward needs at least one datum")
+        command = ForwardBackwardRequest(
+            request_id=request_id,
+            run_id=model_id,
+            data=[_datum(d, req.loss_fn) for d in req.data],
+            loss_fn=req.loss_fn,
+            loss_fn_config=req.loss_fn_config or None,
+            forward_only=req.forward_only,
+        )
+        result = await gateway.backend.train("forward_backward", command, ForwardBackwardResult)
+        _refused(result.error)
+        metrics = {k if ":" in k else f"{k}:mean": v for k, v in result.metrics.items()}
+        return Outcome(proto=wire.encode_forward_backward_output(result.loss_fn_outputs, metrics))
+
+    request_id = _future_id(kind, model_id, {"seq_id": req.seq_id or None})
+    gateway.futures.start(request_id, work, order=model_id)
+    return {"request_id": request_id, "model_id": model_id}
+
+
+@router.post("/optim_step")
+async def optim_step(request: Request) -> dict[str, Any]:
+    gateway = gateway_of(request)
+    body = await read_json(request)
+    model_id = _model_id(body)
+    note_run(request, model_id)
+    params = body.get("adam_params")
+    if not isinstance(params, dict):
+        raise GatewayError(400, "plexrl steps AdamW: optim_step needs adam_params")
+    fields = set(AdamParams.__struct_fields__)
+    adam = {k: float(v) for k, v in params.items() if k in fields}
+
+    async def work() -> Outcome:
+        try:
+            adam_params = AdamParams(**adam)
+            command = OptimStepRequest(request_id=rid, run_id=model_id, adam_params=adam_params)
+        except (TypeError, ValueError) as exc:
+            raise GatewayError(400, f"adam_params: {exc}") from exc
+        result = await gateway.backend.train("optim_step", command, OptimStepResult)
+        _refused(result.error)
+        return Outcome(body={"metrics": result.metrics, "type": "optim_step"})
+
+    rid = _future_id("optim_step", model_id, body)
+    gateway.futures.start(rid, work, order=model_id)
+    return {"request_id": rid, "model_id": model_id}
+
+
+def _name(body: dict[str, Any], default: str) -> str:
+    path = str(body.get("path") or "")
+    return _NAME.sub("_", path)[:128] or default
+
+
+@router.post("/save_weights_for_sampler")
+async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
+    gateway = gateway_of(request)
+    body = await read_json(request)
+    model_id = _model_id(body)
+    note_run(request, model_id)
+    wants_session = not body.get("path") and body.get("sampling_session_seq_id") is not None
+    name = _name(body, "sampler")
+
+    async def work() -> Outcome:
+        command = SaveWeightsRequest(request_id=rid, run_id=model_id, kind="sampler", name=name)
+        result = await gateway.backend.train("save_weights", command, SaveWeightsResult)
+        _refused(result.error)
+        out: dict[str, Any] = {
+            "path": sampler_path(model_id, name, result.step),
+            "type": "save_weights_for_sampler",
+        }
+        if wants_session:
+            out["sampling_session_id"] = sampler_id(ModelRef(model_id, result.step))
+        return Outcome(body=out)
+
+    rid = _future_id("save_weights_for_sampler", model_id, body)
+    gateway.futures.start(rid, work, order=model_id)
+    return {"request_id": rid, "model_id": model_id}
+
+
+@router.post("/save_weights")
+async def save_weights(request: Request) -> dict[str, Any]:
+    gateway = gateway_of(request)
+    body = await read_json(request)
+    model_id = _model_id(body)
+    note_run(request, model_id)
+    name = _name(body, "")
+
+    async def work() -> Outcome:
+        command = SaveWeightsRequest(request_id=rid, run_id=model_id, kind="state", name=name)
+        result = await gateway.backend.train("save_weights", command, SaveWeightsResult)
+        _refused(result.error)
+        return Outcome(
+            body={"path": f"tinker://{model_id}/weights/{result.path}", "type": "save_weights"}
+        )
+
+    rid = _future_id("save_weights", model_id, body)
+    gateway.futures.start(rid, work, order=model_id)
+    return {"request_id": rid, "model_id": model_id}
+
+
+@router.post("/load_weights")
+async def load_weights(request: Request) -> dict[str, Any]:
+    gateway = gateway_of(request)
+    body = await read_json(request)
+    if not body.get("model_id"):
+        raise GatewayError(
+            400,
+            "creating a training client from a checkpoint is not supported by plexrl yet (the "
+            "trainer restores a run from its own checkpoints): call load_state on a training "
+            "client of the run that saved it",
+        )
+    model_id = _model_id(body)
+    note_run(request, model_id)
+    path = str(body.get("path") or "")
+    match = _STATE_PATH.match(path)
+    if match is None:
+        raise GatewayError(
+            400, f"{path!r} is not a checkpoint path (tinker://<run>/weights/<name>)"
+        )
+    if match.group(1) != model_id:
+        raise GatewayError(
+            400, f"{path} is a checkpoint of {match.group(1)}; plexrl loads a run's own checkpoints"
+        )
+    optimizer = bool(body.get("optimizer", True))
+
+    async def work() -> Outcome:
+        command = LoadWeightsRequest(
+            request_id=rid, run_id=model_id, path=match.group(2), optimizer=optimizer
+        )
+        result = await gateway.backend.train("load_weights", command, LoadWeightsResult)
+        _refused(result.error)
+        return Outcome(body={"path": path, "model_id": model_id, "type": "load_weights"})
+
+    rid = _future_id("load_weights", model_id, body)
+    gateway.futures.start(rid, work, order=model_id)
+    return {"request_id": rid, "model_id": model_id}

@@ -1,0 +1,105 @@
+"""Helpers of the gateway tests: a whole plexrl on loopback, started as processes."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Stack:
+    nats_url: str
+    model: Path
+    out: Path
+    logs: Path
+    url: str
+    otlp: str = ""
+    """the OTLP/HTTP endpoint every process exports its spans to ("" for none)"""
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text(errors="replace")
+
+    def all_logs(self) -> str:
+        return "\n".join(f"--- {n}\n{self.log(n)[-4000:]}" for n in self.procs)
+
+    def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        env = os.environ | {"PLEXRL_NATS_URL": self.nats_url, "PLEXRL_CONNECT_WAIT_S": "30"}
+        env.pop("OTEL_SERVICE_NAME", None)
+        if self.otlp:
+            env |= {
+                "OTEL_TRACES_EXPORTER": "otlp",
+                "OTEL_EXPORTER_OTLP_ENDPOINT": self.otlp,
+                "OTEL_BSP_SCHEDULE_DELAY": "200",
+            }
+        log = (self.logs / f"{name}.log").open("ab")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services", *args],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def stop(self, name: str) -> int:
+        proc = self.procs[name]
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        return proc.returncode
+
+    def start_gateway(self, port: int) -> None:
+        self.start(
+            "gateway",
+            *("gateway", "--model", str(self.model), "--port", str(port)),
+            *("--model-alias", "tiny-base", "--max-tokens", "64", "--max-body-bytes", "200000"),
+            *("--request-timeout-s", "60"),
+        )
+
+    def wait_http(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for name, proc in self.procs.items():
+                assert proc.poll() is None, f"{name} exited early:\n{self.all_logs()}"
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"the gateway never answered:\n{self.all_logs()}")
+
+
+def otlp_receiver_module() -> Any:
+    """tests/telemetry/otlp_receiver.py: an OTLP/HTTP receiver that keeps the spans sent to it."""
+    path = REPO / "tests" / "telemetry" / "otlp_receiver.py"
+    spec = importlib.util.spec_from_file_location("gateway_otlp_receiver", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
