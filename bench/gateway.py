@@ -8,8 +8,10 @@ process, the tiny model), driven by the stock ``tinker`` SDK:
     per client, against the same work one run after another through one client (the way a
     server that swaps adapters in and out serves them). Reported: samples per second of each.
     The trainer puts the ``forward_backward`` calls that arrive together in shared micro-batches.
-(b) gateway overhead: one run's ``forward_backward`` through the SDK and HTTP against the same
-    request sent as a ``ForwardBackwardRequest`` on NATS directly (median of ``--repeats``).
+(b) gateway overhead: one run's ``forward`` through the SDK and HTTP against the same request
+    sent as a ``ForwardBackwardRequest`` on NATS directly (median of ``--repeats``, the two ways
+    alternating), for a small request (4 x 48 tokens) and a larger one (64 x 200 tokens): the
+    HTTP layer's cost is fixed per call, so its ratio depends on how much work a call carries.
 
     .venv/bin/python bench/gateway.py [--runs 8] [--steps 4] [--repeats 15] [--device cuda]
 """
@@ -130,6 +132,7 @@ def train(client: Any, data: list[Any], steps: int) -> None:
 
 
 def bench_clients(stack: Stack, runs: int, steps: int) -> dict[str, float]:
+    """Samples per second: every client at once, then one after another."""
     import tinker
 
     service = tinker.ServiceClient(base_url=stack.url, api_key="tml-bench")
@@ -157,14 +160,14 @@ def bench_clients(stack: Stack, runs: int, steps: int) -> dict[str, float]:
     for t in threads:
         t.join()
     together = samples / (time.monotonic() - started)
-    return {"together": together, "one_by_one": one_by_one, "run_id": clients[0].model_id}
+    return {"together": together, "one_by_one": one_by_one}
 
 
-def bench_overhead(stack: Stack, run_id: str, repeats: int) -> dict[str, float]:
+def bench_overhead(stack: Stack, repeats: int, rows: int, length: int) -> dict[str, float]:
     import tinker
 
     tok = load_tokenizer(stack.model)
-    data = batch(tok, 0)
+    data = batch(tok, 0, rows, length)
     service = tinker.ServiceClient(base_url=stack.url, api_key="tml-bench")
     client = service.create_lora_training_client(base_model=ALIAS, rank=8).result()
     direct_data = [
@@ -217,10 +220,12 @@ def main() -> None:
     args = parser.parse_args()
     with (
         tempfile.TemporaryDirectory(prefix="plexrl-bench-gateway-") as tmp,
-        Stack(Path(tmp), args.device, args.runs + 1) as stack,
+        Stack(Path(tmp), args.device, args.runs + 2) as stack,
     ):
         clients = bench_clients(stack, args.runs, args.steps)
-        overhead = bench_overhead(stack, str(clients["run_id"]), args.repeats)
+        overheads = {
+            size: bench_overhead(stack, args.repeats, *size) for size in ((4, 48), (64, 200))
+        }
     ratio = clients["together"] / clients["one_by_one"]
     print(
         f"\n{args.device.upper()}, tiny model, {args.runs} runs x {args.steps} steps x 4 samples\n"
@@ -232,12 +237,13 @@ def main() -> None:
         f"{ratio:.2f}x | one after another through one client: {clients['one_by_one']:.1f} | "
         ">= 1.5x |"
     )
-    over = overhead["gateway"] / overhead["direct"]
-    print(
-        f"| (b) one forward through the gateway (SDK, HTTP) | {overhead['gateway'] * 1000:.1f} ms | "
-        f"{over:.2f}x | the same ForwardBackwardRequest on NATS: "
-        f"{overhead['direct'] * 1000:.1f} ms | <= 1.2x |"
-    )
+    for (rows, length), overhead in overheads.items():
+        over = overhead["gateway"] / overhead["direct"]
+        print(
+            f"| (b) one forward of {rows} x {length} tokens through the gateway (SDK, HTTP) | "
+            f"{overhead['gateway'] * 1000:.1f} ms | {over:.2f}x | the same "
+            f"ForwardBackwardRequest on NATS: {overhead['direct'] * 1000:.1f} ms | <= 1.2x |"
+        )
 
 
 if __name__ == "__main__":
