@@ -13,9 +13,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from gateway_support import REPO, Stack, free_port, otlp_receiver_module
+from gateway_support import REPO, Stack, otlp_receiver_module, running_stack
 
-from services.bus import EmbeddedNats
 from services.model.tiny import build_tiny_model
 
 
@@ -30,29 +29,14 @@ def receiver() -> Iterator[Any]:
 def stack(tmp_path_factory: pytest.TempPathFactory, receiver: Any) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("gateway")
     model = build_tiny_model(root / "model", seed=0)
-    out, logs = root / "out", root / "logs"
-    out.mkdir()
-    logs.mkdir()
-    with EmbeddedNats(store_dir=root / "nats") as server:
-        port = free_port()
-        s = Stack(server.url, model, out, logs, f"http://127.0.0.1:{port}", receiver.endpoint)
-        common = ("--output-dir", str(out), "--max-runs", "16")
-        # a second tenant, so that a test can show the gateway serves its own tenant's runs only
-        auth = root / "auth"
-        subprocess.run(
-            [sys.executable, "-m", "services", "tenants", "add", "team-a", "--dir", str(auth)],
-            cwd=REPO,
-            check=True,
-            capture_output=True,
-        )
-        tenants = ("--tenants-file", str(auth / "tenants.toml"))
-        s.start("registry", "registry", *common, *tenants)
-        s.start("trainer", "trainer", "--model", str(model), *common, "--threads", "1")
-        s.start("inference", "inference", "--model", str(model), *common, "--threads", "1")
-        s.start_gateway(port)
-        try:
-            s.wait_http()
-            yield s
-        finally:
-            for name in list(s.procs):
-                s.stop(name)
+    # a second tenant, so that a test can show the gateway serves its own tenant's runs only
+    auth = root / "auth"
+    subprocess.run(
+        [sys.executable, "-m", "services", "tenants", "add", "team-a", "--dir", str(auth)],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    )
+    tenants = ("--tenants-file", str(auth / "tenants.toml"))
+    with running_stack(root, model, otlp=receiver.endpoint, registry_args=tenants) as s:
+        yield s

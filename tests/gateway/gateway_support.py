@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,3 +105,52 @@ def otlp_receiver_module() -> Any:
     sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def rl_datum(prompt: list[int], completion: Any, advantage: float) -> Any:
+    """A Tinker ``importance_sampling`` datum of one sampled sequence: the completion's tokens
+    scored with the sampler's log-probabilities and the sequence's advantage; the prompt's
+    positions carry nothing."""
+    from tinker import types
+
+    tokens = prompt + list(completion.tokens)
+    n = len(prompt) - 1
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": tokens[1:],
+            "logprobs": [0.0] * n + list(completion.logprobs),
+            "advantages": [0.0] * n + [advantage] * len(completion.tokens),
+        },
+    )
+
+
+@contextlib.contextmanager
+def running_stack(
+    root: Path,
+    model: Path,
+    *,
+    otlp: str = "",
+    max_runs: int = 16,
+    registry_args: tuple[str, ...] = (),
+) -> Iterator[Stack]:
+    """nats-server, registry, trainer, inference and gateway on loopback, stopped on exit."""
+    from services.bus import EmbeddedNats
+
+    out, logs = root / "out", root / "logs"
+    out.mkdir()
+    logs.mkdir()
+    with EmbeddedNats(store_dir=root / "nats") as server:
+        port = free_port()
+        s = Stack(server.url, model, out, logs, f"http://127.0.0.1:{port}", otlp)
+        common = ("--output-dir", str(out), "--max-runs", str(max_runs))
+        s.start("registry", "registry", *common, *registry_args)
+        s.start("trainer", "trainer", "--model", str(model), *common, "--threads", "1")
+        s.start("inference", "inference", "--model", str(model), *common, "--threads", "1")
+        s.start_gateway(port)
+        try:
+            s.wait_http()
+            yield s
+        finally:
+            for name in list(s.procs):
+                s.stop(name)

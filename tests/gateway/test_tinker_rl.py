@@ -14,6 +14,7 @@ import statistics
 
 import pytest
 import tinker
+from gateway_support import rl_datum
 from tinker import types
 
 from schemas.config import OrchConfig
@@ -56,19 +57,10 @@ def test_an_importance_sampling_loop_samples_the_trained_weights(stack) -> None:
             scores = [reward(tok.decode(s.tokens, skip_special_tokens=True)) for s in group]
             rewards += scores
             mean, spread = statistics.fmean(scores), statistics.pstdev(scores) or 1.0
-            for seq, score in zip(group, scores, strict=True):
-                tokens = prompt + list(seq.tokens)
-                n = len(prompt) - 1
-                data.append(
-                    types.Datum(
-                        model_input=types.ModelInput.from_ints(tokens[:-1]),
-                        loss_fn_inputs={
-                            "target_tokens": tokens[1:],
-                            "logprobs": [0.0] * n + list(seq.logprobs),
-                            "advantages": [0.0] * n + [(score - mean) / spread] * len(seq.tokens),
-                        },
-                    )
-                )
+            data += [
+                rl_datum(prompt, seq, (score - mean) / spread)
+                for seq, score in zip(group, scores, strict=True)
+            ]
         means.append(statistics.fmean(rewards))
         out = trainer.forward_backward(data, "importance_sampling").result(timeout=120)
         expected = -sum(sum(d.loss_fn_inputs["advantages"].tolist()) for d in data)

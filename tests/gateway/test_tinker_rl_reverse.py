@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 import tinker
-from gateway_support import Stack, free_port
+from gateway_support import Stack, rl_datum, running_stack
 from rich.console import Console
 from tinker import types
 
-from services.bus import EmbeddedNats
 from services.envs import ReverseEnv, prompt_token_ids, score_completion
 from services.model.loader import load_tokenizer
 from services.up.app import ensure_tiny_model
@@ -27,25 +26,9 @@ STEPS, PROMPTS, GROUP = 12, 8, 8
 
 @pytest.fixture(scope="module")
 def warm_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    model = ensure_tiny_model(Console(quiet=True))
-    root = tmp_path_factory.mktemp("gateway-rl")
-    out, logs = root / "out", root / "logs"
-    out.mkdir()
-    logs.mkdir()
-    with EmbeddedNats(store_dir=root / "nats") as server:
-        port = free_port()
-        s = Stack(server.url, Path(model), out, logs, f"http://127.0.0.1:{port}")
-        common = ("--output-dir", str(out), "--max-runs", "2")
-        s.start("registry", "registry", *common)
-        s.start("trainer", "trainer", "--model", str(model), *common, "--threads", "1")
-        s.start("inference", "inference", "--model", str(model), *common, "--threads", "1")
-        s.start_gateway(port)
-        try:
-            s.wait_http()
-            yield s
-        finally:
-            for name in list(s.procs):
-                s.stop(name)
+    model = Path(ensure_tiny_model(Console(quiet=True)))
+    with running_stack(tmp_path_factory.mktemp("gateway-rl"), model, max_runs=2) as s:
+        yield s
 
 
 def test_reinforce_through_the_sdk_raises_the_reverse_reward(warm_stack: Stack) -> None:
@@ -73,19 +56,9 @@ def test_reinforce_through_the_sdk_raises_the_reverse_reward(warm_stack: Stack) 
             scores = [score_completion(env, tok, prompt, list(s.tokens)) for s in group]
             rewards += scores
             mean = statistics.fmean(scores)
-            for seq, score in zip(group, scores, strict=True):
-                tokens = p_ids + list(seq.tokens)
-                n = len(p_ids) - 1
-                data.append(
-                    types.Datum(
-                        model_input=types.ModelInput.from_ints(tokens[:-1]),
-                        loss_fn_inputs={
-                            "target_tokens": tokens[1:],
-                            "logprobs": [0.0] * n + list(seq.logprobs),
-                            "advantages": [0.0] * n + [score - mean] * len(seq.tokens),
-                        },
-                    )
-                )
+            data += [
+                rl_datum(p_ids, seq, score - mean) for seq, score in zip(group, scores, strict=True)
+            ]
         means.append(statistics.fmean(rewards))
         trainer.forward_backward(data, "importance_sampling").result(timeout=120)
         trainer.optim_step(adam).result(timeout=120)
