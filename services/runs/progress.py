@@ -8,9 +8,13 @@ any language can read it too.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 
 import msgspec
+from nats.errors import ConnectionClosedError, NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from schemas.codec import decode, encode
@@ -21,16 +25,34 @@ from schemas.tenant import validate_tenant
 from services.bus import Bus
 from services.runs.kv import bucket
 
+log = logging.getLogger(__name__)
+
+PUT_ATTEMPTS = 20
+"""Writes of one progress record tried before giving up (about half a minute of backoff)."""
+
 
 async def write_progress(bus: Bus, run_id: str, progress: Progress) -> int:
     """Store ``progress`` as ``run_id``'s latest, stamped with the time. Returns the revision.
+    Transient failures (the server restarting) are retried with backoff.
 
     ``progress.tenant`` names the run's owner; an illegal name raises
     :class:`~schemas.tenant.InvalidTenant` and writes nothing."""
     validate_run_id(run_id)
     validate_tenant(progress.tenant)
-    kv = await bucket(bus, KV_PROGRESS)
-    return await kv.put(run_id, encode(msgspec.structs.replace(progress, updated_at=time.time())))
+    value = encode(msgspec.structs.replace(progress, updated_at=time.time()))
+    delay = 0.1
+    for attempt in range(1, PUT_ATTEMPTS + 1):
+        try:
+            kv = await bucket(bus, KV_PROGRESS)
+            return await kv.put(run_id, value)
+        except (NoRespondersError, NatsTimeout, ConnectionClosedError) as exc:
+            # the server restarting: the same value written again is harmless
+            if attempt == PUT_ATTEMPTS or bus.nc.is_closed:
+                raise
+            log.warning("progress of %s: write failed (%s), retry %d", run_id, exc, attempt)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+    raise AssertionError("unreachable")
 
 
 async def read_progress(bus: Bus, run_id: str) -> Progress | None:

@@ -4,9 +4,10 @@ for a run of tenant ``t``, in that tenant's own store ``plexrl-weights-<t>``.
 The trainer writes the stream under ``<run_id>/step_<n>`` (the location) chunk by chunk from the
 tensors' own memory (:func:`~services.weights.blobs.write_blob`), never assembled in one buffer;
 old versions are deleted, and a restarted trainer finds the versions an earlier one left by
-listing the store. A replica streams the chunks into a
-:class:`~services.weights.stream.StreamDecoder` as they arrive (an adapter is usually one chunk,
-one direct get), after checking that the object is the one announced.
+listing the store; a write that fails on the way (the server restarting) is retried with backoff.
+A replica streams the chunks into a :class:`~services.weights.stream.StreamDecoder` as they
+arrive (an adapter is usually one chunk, one direct get), after checking that the object is the
+one announced.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from services.weights.transport import SenderOptions, forget_each
 
 log = logging.getLogger(__name__)
 
+SEND_ATTEMPTS = 20
+"""Writes of one version tried before the trainer gives up (about a minute of backoff)."""
+
 
 class ObjectStoreSender:
     """The trainer's end: objects in the store, listed and deleted by key."""
@@ -54,10 +58,29 @@ class ObjectStoreSender:
         tenant: str = DEFAULT_TENANT,
     ) -> str:
         key = weights_object_key(run_id, step)
-        await write_blob(
-            self.bus, key, stream.segments(), stream.digest, bucket=weights_bucket(tenant)
-        )
-        return key
+        delay = 0.1
+        for attempt in range(1, SEND_ATTEMPTS + 1):
+            try:
+                await write_blob(
+                    self.bus, key, stream.segments(), stream.digest, bucket=weights_bucket(tenant)
+                )
+                return key
+            except (BlobError, nats.errors.Error) as exc:
+                # A server restarting (or a cluster electing a leader) fails the writes for a
+                # few seconds; writing the key again replaces whatever part of it landed.
+                if attempt == SEND_ATTEMPTS or self.bus.nc.is_closed:
+                    raise
+                log.warning(
+                    "%s step %d: storing the weights failed (%s); retry %d in %.1fs",
+                    run_id,
+                    step,
+                    exc,
+                    attempt,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        raise AssertionError("unreachable")
 
     async def stored(self, run_id: str, *, tenant: str = DEFAULT_TENANT) -> set[int]:
         prefix = f"{run_id}/step_"

@@ -1,0 +1,384 @@
+"""The whole system as separate processes on one loopback nats-server, and faults injected into it.
+
+:class:`System` starts a real ``nats-server`` (file store, ``sync_interval: always``, see
+services/bus/server.py), then the registry, the trainer, one or two inference replicas and one
+orchestrator per run, each as its own ``python -m services ...`` process with its own log under
+``<root>/logs``. :meth:`System.run` drives the runs to the end while applying a schedule of
+:class:`Fault` s: when a run reaches a step (trained, as the trainer's progress record says, or
+generated, as the orchestrator's ``metrics.jsonl`` says), the target is killed with SIGKILL and,
+after a pause, started again with the same arguments (the nats-server on the same store and
+port). Checks of what the system recorded afterwards live in :mod:`.invariants`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from schemas.config import OrchConfig, dump_toml
+from schemas.records import Progress
+from schemas.subjects import ROLLOUTS_STREAM
+from services.bus import Bus, EmbeddedNats
+from services.runs.progress import read_progress
+from services.trainer.checkpoint import complete_checkpoints
+
+from .procs import Proc, clean_env
+
+MAX_LORA_RANK = 4
+LIVENESS_S = 240.0
+"""A run that makes no progress for this long fails the scenario (a hang, not slowness)."""
+
+
+def run_config(max_steps: int, seed: int) -> OrchConfig:
+    """A short reverse run: 2 prompts x 2 completions of at most 4 tokens, a checkpoint every 4."""
+    return OrchConfig.model_validate(
+        {
+            "env": "reverse",
+            "seed": seed,
+            "max_steps": max_steps,
+            "batch_size": 2,
+            "group_size": 2,
+            "max_async_level": 1,
+            "model": {"lora": {"rank": MAX_LORA_RANK, "alpha": 8}},
+            "optim": {"lr": 1e-2},
+            "sampling": {"temperature": 1.0, "max_tokens": 4},
+            "ckpt": {"interval": 4, "keep": 2},
+            "eval": {"interval": 0},
+        }
+    )
+
+
+Trigger = Literal["trained", "generated"]
+
+
+@dataclass
+class Fault:
+    """SIGKILL ``target`` once ``run`` has ``at_step`` steps ``trigger`` (or, with ``after`` set,
+    that many seconds after the previous fault), then start it again ``restart_after`` seconds
+    later. Targets: ``trainer``, ``registry``, ``inference-<i>``, ``orchestrator-<run_id>``,
+    ``nats``."""
+
+    target: str
+    run: str = ""
+    at_step: int = 0
+    trigger: Trigger = "trained"
+    after: float | None = None
+    restart_after: float = 0.5
+    crash: str = ""
+    """a ``PLEXRL_FAULT`` spec (services/launch/faults.py) the target starts with: it exits
+    137 at that commit point on its own, and the restart goes without it"""
+    killed_at: float | None = None
+    restarted_at: float | None = None
+    killed_at_step: int | None = None
+    skipped: bool = False
+    """the target (an orchestrator) had finished its run before the trigger came"""
+
+    def describe(self) -> str:
+        if self.crash:
+            return f"{self.target} exits at {self.crash}, restart {self.restart_after:.1f}s later"
+        when = (
+            f"{self.after:.1f}s after the previous fault"
+            if self.after is not None
+            else f"when {self.run} has {self.at_step} steps {self.trigger}"
+        )
+        return f"SIGKILL {self.target} {when}, restart {self.restart_after:.1f}s later"
+
+
+class System:
+    """Every service of plexrl as its own process on a nats-server of its own, under ``root``."""
+
+    def __init__(
+        self,
+        root: Path,
+        model: Path,
+        runs: dict[str, OrchConfig],
+        *,
+        replicas: int = 1,
+        trainer_env: dict[str, str] | None = None,
+    ) -> None:
+        self.root = root
+        self.out = root / "out"
+        self.logs = root / "logs"
+        self.model = model
+        self.runs = runs
+        self.nats = EmbeddedNats(store_dir=root / "nats")
+        self.procs: dict[str, Proc] = {}
+        self.replicas = replicas
+        self.trainer_env = trainer_env or {}
+        self.bus: Bus | None = None
+        self.events: list[str] = []
+        self.recoveries: dict[str, list[float]] = {"trainer": [], "nats": []}
+        """seconds from each restart of the trainer (or the nats-server) to the next step
+        trained past what was already trained (by the checkpoints, or when the server died)"""
+        self._started = time.monotonic()
+        self._timers: list[asyncio.Task[None]] = []
+        self._timing: dict[str, asyncio.Task[None]] = {}
+        self._at_nats_kill: dict[str, int] = {}
+        self.resumed_from: dict[str, int] = {}
+        """per run, the steps its newest checkpoint held when the trainer last restarted"""
+        self._down: set[str] = set()
+
+    # --- start and stop ---------------------------------------------------------------------
+
+    def _proc(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
+        common = ["--nats-url", self.nats.url]
+        proc = Proc(name, [*argv, *common], self.logs / f"{name}.log", clean_env() | (env or {}))
+        self.procs[name] = proc
+        proc.start()
+        return proc
+
+    async def start(self) -> None:
+        self.out.mkdir(parents=True)
+        self.logs.mkdir(parents=True)
+        self.nats.start()
+        sizes = ["--max-runs", str(len(self.runs)), "--max-lora-rank", str(MAX_LORA_RANK)]
+        worker = ["--model", str(self.model), "--output-dir", str(self.out), "--threads", "1"]
+        self._proc("registry", ["registry", "--output-dir", str(self.out), *sizes])
+        self._proc(
+            "trainer",
+            ["trainer", *worker, *sizes, "--micro-batch-tokens", "64", "--collect-ms", "0"],
+            self.trainer_env,
+        )
+        for i in range(self.replicas):
+            argv = ["inference", *worker, *sizes, "--engine", "torch"]
+            self._proc(f"inference-{i}", [*argv, "--replica-name", f"replica-{i}"])
+        for run_id, config in self.runs.items():
+            path = self.root / f"{run_id}.toml"
+            path.write_text(dump_toml(config.to_dict()))
+            argv = ["orchestrator", run_id, "--config", str(path), "--model", str(self.model)]
+            self._proc(
+                f"orchestrator-{run_id}",
+                [*argv, "--output-dir", str(self.out), "--request-timeout", "8"],
+            )
+        self.bus = await Bus.connect(self.nats.url, "faults")
+
+    async def stop(self) -> dict[str, int | None]:
+        """Stop every process (services with SIGTERM, then the nats-server); their exit codes."""
+        codes = {}
+        for name in reversed(list(self.procs)):
+            codes[name] = self.procs[name].stop()
+        if self.bus is not None:
+            await self.bus.close()
+            self.bus = None
+        self.nats.stop()
+        return codes
+
+    # --- what the system says about itself ------------------------------------------------
+
+    async def progress(self, run_id: str) -> Progress | None:
+        """The run's progress record, or None (none yet, or the nats-server is down)."""
+        if self.bus is None or self.nats.proc is None:
+            return None
+        try:
+            return await asyncio.wait_for(read_progress(self.bus, run_id), 2.0)
+        except Exception:
+            return None
+
+    def generated(self, run_id: str) -> int:
+        """Steps the run's orchestrators have finished (lines of its ``metrics.jsonl``)."""
+        path = self.out / run_id / "metrics.jsonl"
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+    async def step_of(self, run_id: str, trigger: Trigger) -> int:
+        if trigger == "generated":
+            return self.generated(run_id)
+        progress = await self.progress(run_id)
+        return progress.step if progress is not None else 0
+
+    def log(self, line: str) -> None:
+        stamped = f"[{time.monotonic() - self._started:6.1f}s] {line}"
+        self.events.append(stamped)
+        print(stamped, flush=True)
+
+    def tails(self) -> str:
+        return "\n".join(p.tail() for p in self.procs.values())
+
+    # --- faults -------------------------------------------------------------------------------
+
+    async def _kill(self, fault: Fault) -> None:
+        if fault.crash:
+            proc = self.procs[fault.target]
+            code = proc.exited()
+            assert code == 137, f"{fault.target} exited with {code}, not at {fault.crash}"
+            del proc.env["PLEXRL_FAULT"]
+        elif fault.target == "nats":
+            self._at_nats_kill = {r: await self.step_of(r, "trained") for r in self.runs}
+            self.nats.kill()
+        else:
+            self.procs[fault.target].kill()
+        timer = self._timing.get(fault.target)
+        if timer is not None and not timer.done():
+            timer.cancel()
+            self.log(f"{fault.target} killed again before a step was trained: restart not timed")
+        fault.killed_at = time.monotonic()
+        self._down.add(fault.target)
+        what = (
+            f"{fault.target} exited at {fault.crash}" if fault.crash else f"killed {fault.target}"
+        )
+        at = fault.killed_at_step
+        self.log(what + (f" at step {at}" if at is not None else ""))
+
+    async def _restart(self, fault: Fault) -> None:
+        if fault.target == "nats":
+            # the same store and port: what a supervisor restarting the server does
+            self.nats.start()
+        else:
+            self.procs[fault.target].start()
+        fault.restarted_at = time.monotonic()
+        self._down.discard(fault.target)
+        self.log(f"restarted {fault.target}")
+        if fault.target in self.recoveries:
+            if fault.target == "trainer":
+                trained = {r: _newest_checkpoint(self.out, r) for r in self.runs}
+                self.resumed_from = trained
+            else:
+                trained = self._at_nats_kill
+            timer = asyncio.create_task(self._time_recovery(fault.target, time.time(), trained))
+            self._timing[fault.target] = timer
+            self._timers.append(timer)
+
+    async def _time_recovery(self, target: str, restarted: float, trained: dict[str, int]) -> None:
+        """Seconds from a restart of ``target`` until training goes on: for the trainer, until
+        it has trained a step of any run past ``trained`` (its checkpoints); for the nats-server,
+        until every run not yet finished has trained a step generated after the restart (with
+        ``max_async_level`` 1, two steps past ``trained``, where it was)."""
+        deadline = time.monotonic() + LIVENESS_S
+        waiting = {r for r in self.runs if trained[r] < self.runs[r].max_steps}
+        if target == "nats":
+            trained = {r: min(s + 2, self.runs[r].max_steps - 1) for r, s in trained.items()}
+        if not waiting:
+            self.log(f"{target} restarted after the last step: no recovery to time")
+            return
+        took = 0.0
+        while waiting and time.monotonic() < deadline:
+            for run_id in sorted(waiting):
+                p = await self.progress(run_id)
+                if p is not None and p.updated_at > restarted and p.step > trained[run_id]:
+                    took = p.updated_at - restarted
+                    self.log(f"after the {target} restart {run_id} trained step {p.step - 1}")
+                    waiting = set() if target == "trainer" else waiting - {run_id}
+            await asyncio.sleep(0.1)
+        if waiting:
+            raise AssertionError(f"no training within {LIVENESS_S:.0f}s of the {target} restart")
+        self.recoveries[target].append(took)
+        self.log(f"recovery after the {target} restart: {took:.1f}s")
+
+    async def run(self, faults: list[Fault], timeout: float = LIVENESS_S) -> None:
+        """Drive every run to the end, applying ``faults`` in order (each once its trigger is
+        reached; a fault whose target is down waits for the restart of an earlier one)."""
+        pending = list(faults)
+        restarts: list[tuple[float, Fault]] = []
+        last_fault = time.monotonic()
+        last_change, last_seen = time.monotonic(), []
+        for f in faults:
+            self.log(f"scheduled: {f.describe()}")
+        while True:
+            now = time.monotonic()
+            for due, fault in list(restarts):
+                if now >= due:
+                    restarts.remove((due, fault))
+                    await self._restart(fault)
+            target = self.procs.get(pending[0].target) if pending else None
+            if target is not None and target.exited() == 0:
+                pending[0].skipped = True
+                self.log(f"skipped: {pending.pop(0).target} had finished its run")
+                continue
+            if pending and (pending[0].crash or self._alive(pending[0].target)):
+                fault = pending[0]
+                if fault.crash:
+                    ready = self.procs[fault.target].exited() is not None
+                elif fault.after is not None:
+                    ready = now - last_fault >= fault.after
+                else:
+                    fault.killed_at_step = await self.step_of(fault.run, fault.trigger)
+                    ready = fault.killed_at_step >= fault.at_step
+                if ready:
+                    pending.pop(0)
+                    await self._kill(fault)
+                    last_fault = time.monotonic()
+                    restarts.append((last_fault + fault.restart_after, fault))
+                    continue
+            self._check_alive()
+            done = [self.procs[f"orchestrator-{r}"].exited() == 0 for r in self.runs]
+            if all(done) and not pending and not restarts:
+                for timer in await asyncio.gather(*self._timers, return_exceptions=True):
+                    if isinstance(timer, AssertionError):
+                        raise timer
+                # a service restarted near the end is stopped only once it serves: SIGTERM
+                # during its imports ends it by the signal, not by a clean stop
+                if all(p.ready() for p in self.procs.values()):
+                    return
+            seen = [self.generated(r) for r in self.runs]
+            seen += [await self.step_of(r, "trained") for r in self.runs]
+            if seen != last_seen:
+                last_change, last_seen = now, seen
+            if now - last_change > timeout:
+                raise AssertionError(f"no progress for {timeout:.0f}s\n{self.tails()}")
+            await asyncio.sleep(0.1)
+
+    async def trainer_backlog(self, wait: float = 30.0) -> tuple[int, int]:
+        """The trainer's consumer's (unacknowledged, undelivered) batches, once both are 0 or
+        ``wait`` seconds have passed (the last acks follow the last WeightsReady)."""
+        assert self.bus is not None
+        deadline = time.monotonic() + wait
+        while True:
+            info = await self.bus.js.consumer_info(ROLLOUTS_STREAM, "trainer")
+            backlog = (int(info.num_ack_pending or 0), int(info.num_pending or 0))
+            if backlog == (0, 0) or time.monotonic() > deadline:
+                return backlog
+            await asyncio.sleep(0.2)
+
+    async def settle(self, faults: list[Fault]) -> None:
+        """After a nats-server crash, let a trainer restart take over the batches whose acks
+        the server lost.
+
+        JetStream confirms an ack (``ack_sync``) before its consumer state is on disk, so a
+        SIGKILL of the server can forget acks it confirmed: those batches are delivered again
+        once ``ack_wait`` (minutes) runs out, or at once to a restarted trainer, which must
+        recognise them as committed and ack them without training them again (the step log,
+        checked afterwards, would show a step trained twice). Without a nats-server fault every
+        batch must be acked already.
+        """
+        held, _ = await self.trainer_backlog(wait=5.0)
+        if held == 0 or not any(f.target == "nats" for f in faults):
+            return
+        self.log(f"{held} batches unacknowledged after a nats-server crash: restarting the trainer")
+        trainer = self.procs["trainer"]
+        assert trainer.stop() == 0, trainer.tail(80)
+        trainer.start()
+        deadline = time.monotonic() + LIVENESS_S
+        while not trainer.ready() and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        backlog = await self.trainer_backlog(wait=LIVENESS_S)
+        self.log(f"trainer restarted; its consumer holds {backlog} (unacked, undelivered)")
+
+    def _alive(self, target: str) -> bool:
+        if target == "nats":
+            return self.nats.proc is not None
+        return self.procs[target].exited() is None
+
+    def _check_alive(self) -> None:
+        """A service that exits on its own (not killed here) fails the scenario; an
+        orchestrator may exit 0, when its run is done."""
+        for name, proc in self.procs.items():
+            code = proc.exited()
+            if code is None or name in self._down:
+                continue
+            if name.startswith("orchestrator-") and code == 0:
+                continue
+            raise AssertionError(f"{name} exited with {code} on its own\n{proc.tail(80)}")
+
+
+def _newest_checkpoint(out: Path, run_id: str) -> int:
+    found = complete_checkpoints(out, run_id)
+    return found[-1][0] if found else 0
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
