@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 import msgspec
 import nkeys
 from nats.aio.client import Client as NATS
-from nats.errors import ConnectionClosedError, NoRespondersError, NoServersError
+from nats.errors import ConnectionClosedError, NoServersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext, api
 from opentelemetry import trace
@@ -39,6 +39,7 @@ from schemas.tenant import DEFAULT_TENANT, inbox_prefix
 from services.bus import tracing
 from services.bus.errors import BusUnavailable, PayloadTooLarge
 from services.bus.provision import provision
+from services.bus.retry import with_backoff
 from services.config import ProcessSettings, process_settings
 from services.telemetry.metrics import record_invalid
 
@@ -359,17 +360,18 @@ class Bus:
         ):
             data = self._encode(subject, event, fmt)
             headers = self._headers(msg_id, fmt)
-            delay = 0.05
-            for attempt in range(1, attempts + 1):
-                try:
-                    return await self.js.publish(subject, data, timeout=timeout, headers=headers)
-                except (NoRespondersError, NatsTimeout, ConnectionClosedError) as exc:
-                    if attempt == attempts or self.nc.is_closed:
-                        raise
-                    log.debug("publish to %s failed (%s), retry %d", subject, exc, attempt)
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 1.0)
-            raise AssertionError("unreachable")
+
+            def retrying(exc: BaseException, attempt: int, _: float) -> None:
+                log.debug("publish to %s failed (%s), retry %d", subject, exc, attempt)
+
+            return await with_backoff(
+                lambda: self.js.publish(subject, data, timeout=timeout, headers=headers),
+                attempts=attempts,
+                first_delay=0.05,
+                max_delay=1.0,
+                give_up=lambda: self.nc.is_closed,
+                on_retry=retrying,
+            )
 
     async def request(
         self,

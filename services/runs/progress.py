@@ -8,13 +8,10 @@ any language can read it too.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
 import msgspec
-from nats.errors import ConnectionClosedError, NoRespondersError
-from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from schemas.codec import decode, encode
@@ -23,6 +20,7 @@ from schemas.run_id import validate_run_id
 from schemas.subjects import KV_PROGRESS
 from schemas.tenant import validate_tenant
 from services.bus import Bus
+from services.bus.retry import with_backoff
 from services.runs.kv import bucket
 
 log = logging.getLogger(__name__)
@@ -40,19 +38,22 @@ async def write_progress(bus: Bus, run_id: str, progress: Progress) -> int:
     validate_run_id(run_id)
     validate_tenant(progress.tenant)
     value = encode(msgspec.structs.replace(progress, updated_at=time.time()))
-    delay = 0.1
-    for attempt in range(1, PUT_ATTEMPTS + 1):
-        try:
-            kv = await bucket(bus, KV_PROGRESS)
-            return await kv.put(run_id, value)
-        except (NoRespondersError, NatsTimeout, ConnectionClosedError) as exc:
-            # the server restarting: the same value written again is harmless
-            if attempt == PUT_ATTEMPTS or bus.nc.is_closed:
-                raise
-            log.warning("progress of %s: write failed (%s), retry %d", run_id, exc, attempt)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
-    raise AssertionError("unreachable")
+
+    async def put() -> int:
+        kv = await bucket(bus, KV_PROGRESS)
+        return await kv.put(run_id, value)  # the same value written again is harmless
+
+    def retrying(exc: BaseException, attempt: int, _: float) -> None:
+        log.warning("progress of %s: write failed (%s), retry %d", run_id, exc, attempt)
+
+    return await with_backoff(
+        put,
+        attempts=PUT_ATTEMPTS,
+        first_delay=0.1,
+        max_delay=2.0,
+        give_up=lambda: bus.nc.is_closed,
+        on_retry=retrying,
+    )
 
 
 async def read_progress(bus: Bus, run_id: str) -> Progress | None:

@@ -25,6 +25,7 @@ from schemas.events import WeightsReady
 from schemas.subjects import weights_bucket, weights_object_key
 from schemas.tenant import DEFAULT_TENANT
 from services.bus import Bus
+from services.bus.retry import with_backoff
 from services.weights.blobs import BlobError, delete_blob, list_keys, stream_blob, write_blob
 from services.weights.errors import WeightsError
 from services.weights.stream import EncodedStream, StreamDecoder
@@ -58,29 +59,34 @@ class ObjectStoreSender:
         tenant: str = DEFAULT_TENANT,
     ) -> str:
         key = weights_object_key(run_id, step)
-        delay = 0.1
-        for attempt in range(1, SEND_ATTEMPTS + 1):
-            try:
-                await write_blob(
-                    self.bus, key, stream.segments(), stream.digest, bucket=weights_bucket(tenant)
-                )
-                return key
-            except (BlobError, nats.errors.Error) as exc:
-                # A server restarting (or a cluster electing a leader) fails the writes for a
-                # few seconds; writing the key again replaces whatever part of it landed.
-                if attempt == SEND_ATTEMPTS or self.bus.nc.is_closed:
-                    raise
-                log.warning(
-                    "%s step %d: storing the weights failed (%s); retry %d in %.1fs",
-                    run_id,
-                    step,
-                    exc,
-                    attempt,
-                    delay,
-                )
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
-        raise AssertionError("unreachable")
+
+        async def store() -> str:
+            await write_blob(
+                self.bus, key, stream.segments(), stream.digest, bucket=weights_bucket(tenant)
+            )
+            return key
+
+        def retrying(exc: BaseException, attempt: int, pause: float) -> None:
+            log.warning(
+                "%s step %d: storing the weights failed (%s); retry %d in %.1fs",
+                run_id,
+                step,
+                exc,
+                attempt,
+                pause,
+            )
+
+        # A server restarting (or a cluster electing a leader) fails the writes for a few
+        # seconds; writing the key again replaces whatever part of it landed.
+        return await with_backoff(
+            store,
+            attempts=SEND_ATTEMPTS,
+            first_delay=0.1,
+            max_delay=2.0,
+            retry_on=(BlobError, nats.errors.Error),
+            give_up=lambda: self.bus.nc.is_closed,
+            on_retry=retrying,
+        )
 
     async def stored(self, run_id: str, *, tenant: str = DEFAULT_TENANT) -> set[int]:
         prefix = f"{run_id}/step_"
