@@ -50,7 +50,13 @@ def test_a_completion_is_one_trace_through_gateway_and_inference(stack, receiver
         timeout=90,
     )
     assert made.status_code == 200, made.text
-    spans = _trace(receiver, trace_id, {"plexrl-gateway", "plexrl-inference"})
+    expected = frozenset(
+        {
+            ("plexrl-gateway", "POST /v1/completions"),
+            ("plexrl-gateway", "request plexrl.inference.generate"),
+        }
+    )
+    spans = _trace(receiver, trace_id, {"plexrl-gateway", "plexrl-inference"}, names=expected)
     names = {(s.service, s.name) for s in spans}
     assert ("plexrl-gateway", "POST /v1/completions") in names, names
     assert ("plexrl-gateway", "request plexrl.inference.generate") in names, names
