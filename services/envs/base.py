@@ -103,6 +103,16 @@ class Environment(ABC):
     def score(self, prompt: Prompt, completion_text: str) -> float:
         """The reward of ``completion_text`` as an answer to ``prompt``, in [0, 1]."""
 
+    def slip(self, prompt: Prompt) -> str | None:
+        """A plausible wrong answer to ``prompt``: the mistake the warm start demonstrates.
+
+        The tiny model's pre-training (:mod:`services.model.pretrain`) shows this answer instead
+        of the right one in most demonstrations, so the base's most likely answer is wrong while
+        the right one stays within reach of sampling: what RL then has to learn. ``None`` (the
+        default) when the task has none, or none for this prompt.
+        """
+        return None
+
     def rng(self, index: int) -> random.Random:
         """A generator for prompt ``index`` alone.
 

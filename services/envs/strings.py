@@ -1,10 +1,13 @@
 """String tasks: reverse a word, copy a word.
 
-Both score by position accuracy (see :func:`~.base.position_accuracy`): ``reverse: abcd=``
-answered ``dcbx`` earns 0.75, ``dcbaaa`` earns 4/6. A model that copies instead of reversing
-earns little on ``reverse`` (only the middle letter of an odd-length word, and repeated
-letters), so a reverse run and a copy run visibly learn different things. A random model
-emits a long string of arbitrary characters and scores close to 0.
+Both score an exact answer 1 and anything else half its position accuracy (see
+:func:`~.base.position_accuracy`): ``reverse: abcd=`` answered ``dcbx`` earns 0.375, ``dcb``
+(one letter short) 0.375, ``dcbaaa`` 1/3. Near misses still point the way, but the exact
+answer is worth more than twice any of them, so a policy that stops one letter early, the
+warm start's slip (:meth:`slip`), gains a lot by finishing the word. A model that copies
+instead of reversing earns little on ``reverse`` (only the middle letter of an odd-length word,
+and repeated letters), so a reverse run and a copy run visibly learn different things. A random
+model emits a long string of arbitrary characters and scores close to 0.
 """
 
 from __future__ import annotations
@@ -30,7 +33,14 @@ class _WordTask(Environment):
         return "".join(rng.choice(string.ascii_lowercase) for _ in range(length))
 
     def score(self, prompt: Prompt, completion_text: str) -> float:
-        return position_accuracy(answer_of(completion_text), prompt.target)
+        answer = answer_of(completion_text)
+        if answer == prompt.target:
+            return 1.0
+        return 0.5 * position_accuracy(answer, prompt.target)
+
+    def slip(self, prompt: Prompt) -> str | None:
+        """Stopping one letter early: the answer without its last letter."""
+        return prompt.target[:-1] if len(prompt.target) > 1 else None
 
 
 class ReverseEnv(_WordTask):

@@ -2,7 +2,7 @@
 
 ``plexrl model tiny DIR [--seed N] [--no-pretrain] [--pretrain-steps N]`` writes the default tiny
 Llama with its character tokenizer into DIR (Hugging Face format), then warm-starts it with a
-short deterministic pre-training on noisy demonstrations of the built-in tasks (see
+short deterministic pre-training on demonstrations of the built-in tasks, most of them slipped (see
 ``services.model.pretrain``) unless ``--no-pretrain`` is given. It prints one line saying what it
 wrote and, after pre-training, one line with the sampled reward per task; progress goes to
 stderr. Imports of torch and transformers happen inside the command so ``plexrl --help`` stays
@@ -28,8 +28,9 @@ def register(subparsers: Any) -> None:
         help="write the default tiny Llama with a character tokenizer",
         description=(
             "Write the default tiny Llama (Hugging Face format, character-level tokenizer) into "
-            "DIR and pre-train it for about a minute on noisy demonstrations of the built-in "
-            "tasks (reverse, copy, add), so that RL starts from a partly right model. The same "
+            "DIR and pre-train it for about a minute on demonstrations of the built-in "
+            "tasks (reverse, copy, add), most of them showing a plausible mistake, so that RL "
+            "starts from a model that knows the right answer but prefers a wrong one. The same "
             "seed always gives bit-identical weights; nothing is downloaded."
         ),
     )

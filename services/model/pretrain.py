@@ -1,38 +1,39 @@
-"""Warm start: pre-train the tiny model on noisy demonstrations of the built-in tasks.
+"""Warm start: pre-train the tiny model on demonstrations of the built-in tasks, most of them
+showing a plausible mistake.
 
 RL improves a policy that is already partly right; from random weights GRPO on the toy tasks
 sees rewards near zero and flat groups, so it learns nothing. ``pretrain`` gives the tiny model
-a base that knows each task's format and solution but samples it unreliably, leaving the
-headroom that a run's LoRA adapter then climbs.
+a base that knows each task's format and its right answer, but whose *most likely* answer is
+wrong on a real share of prompts: the headroom a run's LoRA adapter then climbs, and one that
+turning the base's temperature down does not reach.
 
 Method. Next-token prediction (cross-entropy, mean over tokens) on ``<bos> + demonstration +
 <eos>``, the demonstrations drawn round-robin from the environments (``Environment.prompt``,
-split into prompt text and target so that only the answer is corrupted). AdamW, linear warm-up
-and cosine decay over the whole run, in two phases:
+split into prompt text and target so that only the answer is changed), all weights, AdamW,
+linear warm-up and cosine decay. With probability ``slip_rate`` (0.65) a demonstration's
+answer is the task's slip (:meth:`Environment.slip`) instead of the target: ``reverse`` and
+``copy`` stop one letter early, ``add`` forgets the carry. The model learns both answers and
+prefers the slip: greedy decoding gives it on nearly every prompt (``copy``, ``reverse``) or
+every prompt with a carry (``add``), while sampling at temperature 1 finds the right answer
+about a third of the time. Lowering the temperature makes the base worse, so the best the base
+does on held-out prompts is its sampled reward, and a run that learns to finish the word or
+keep the carry beats it by a wide margin (README: the main job).
 
-1. clean (the first ``1 - noisy_fraction`` of the steps), all weights: exact answers, so the
-   model learns each task (1,050 clean steps alone reach a sampled reward of 0.99 on
-   ``reverse`` and ``copy`` and 0.88 on ``add``);
-2. noisy (the rest), only the read-out (the last block's MLP and the final norm): each answer
-   character is replaced, with probability ``noise``, by a random character of that task's
-   answer alphabet (the characters its targets use), and with probability ``noise / 3`` the
-   answer loses its last character or gains a random one.
+Optionally (``noise`` > 0, off by default) the last ``noisy_fraction`` of the steps train only
+the read-out (the last block's MLP and the final norm) on answers whose characters are replaced
+with probability ``noise`` by a random character of the task's answer alphabet (and with
+probability ``noise / 3`` lose their last character or gain a random one). That flattens the
+output distribution without rewriting the circuits that solve the tasks: the warm start of
+earlier plexrl builds, whose base was mostly right greedily, so that RL only sharpened it.
+Measured alternatives to the slips:
 
-The noisy phase flattens the output distribution without rewriting the circuits that solve the
-tasks: the most likely answer stays mostly right (reward 0.66-0.93 at temperature 0.3) while
-sampling at temperature 1 is partly right (0.2-0.35 per task), so a group of completions holds
-different rewards and group-relative advantages are non-zero from the first RL step; what RL
-then has to learn is to sharpen, which a LoRA adapter does in tens of steps. Measured
-alternatives, with the same budget:
-
-- corrupting from the first step (tried at noise 0.6): the signal is too diluted to learn the
-  tasks (reward ~0.15, and only ~0.4 at temperature 0.3);
-- a noisy phase on all weights: ``add``'s 100 memorised sums drift towards the middle of the
-  digit range (the greedy answer is right for 53-72 of them, against 84-88 with the read-out
-  alone), which caps how far RL climbs on ``add``;
-- loss on the answer alone: the clean phase learns ``reverse`` and ``copy`` more slowly (0.81
-  against 0.99 after 1,050 steps; ``add`` 0.996 against 0.88, but its greedy answer is right
-  for all 100 sums either way), so the loss covers the prompt too (``prompt_loss``).
+- slips from a clean start (exact answers first, slips only in the last 30% of the steps): on
+  all weights the answers become a blend of the two (``reverse``: 2.5% slips, 19% exact
+  greedily); on the read-out alone the slip is not learned at all (1.5%);
+- a slip that changes the first letter (``reverse`` answered by copying): the tiny model does
+  not commit to one answer after its first letter and mixes the two (60% slips, 1.5% exact);
+- two-digit plus two-digit sums (thousands of prompts): not learned in this budget (6% exact
+  greedily); two-digit plus one-digit sums are (every sum without a carry exact).
 
 The run is deterministic: data come from string-seeded ``random.Random`` streams, torch runs
 with deterministic algorithms and a fixed thread count, so the same seed gives bit-identical
@@ -74,11 +75,12 @@ from services.model.routing import NO_ADAPTER
 from services.model.sampling import SequenceSpec, generate_batch, sequence_seed
 
 DEFAULT_ENVS = ("reverse", "copy", "add")
-DEFAULT_STEPS = 1500
-DEFAULT_NOISE = 0.7
+DEFAULT_STEPS = 2000
+DEFAULT_SLIP_RATE = 0.65
+DEFAULT_NOISE = 0.0
 DEFAULT_BATCH_SIZE = 48
 DEFAULT_LR = 3e-3
-DEFAULT_NOISY_FRACTION = 0.3
+DEFAULT_NOISY_FRACTION = 0.0
 DEFAULT_NUM_THREADS = 1
 DEFAULT_MAX_TOKENS = 12
 
@@ -132,23 +134,34 @@ def answer_alphabet(env: Environment, num_prompts: int = 256) -> str:
 
 
 class DemonstrationStream:
-    """Batches of (possibly corrupted) demonstrations, the environments taken in turn.
+    """Batches of demonstrations (slipped or corrupted as asked), the environments in turn.
 
     Batch ``step`` is a pure function of the seed, the environments and ``step``: rows come from
-    prompt indices ``step * rows_per_env + k`` and the corruption from a generator seeded with
-    the step, so a run restarted at any step sees the same data.
+    training prompts ``step * rows_per_env + k`` (``Environment.train_prompt``: the held-out
+    split is never demonstrated, so held-out evaluation stays held out for the base too) and the
+    slips and corruption from a generator seeded with the step, so a run restarted at any step
+    sees the same data. A row shows the task's slip instead of its target with probability
+    ``slip_rate`` (when the task has a slip for that prompt).
     """
 
     def __init__(
-        self, tokenizer: Any, envs: Sequence[Environment], batch_size: int, seed: int
+        self,
+        tokenizer: Any,
+        envs: Sequence[Environment],
+        batch_size: int,
+        seed: int,
+        slip_rate: float = 0.0,
     ) -> None:
         if batch_size < len(envs):
             raise ValueError(f"batch_size {batch_size} is smaller than the {len(envs)} envs")
+        if not 0.0 <= slip_rate <= 1.0:
+            raise ValueError(f"slip_rate must be in [0, 1], got {slip_rate}")
         self.tokenizer = tokenizer
         self.envs = list(envs)
         self.alphabets = [answer_alphabet(env) for env in self.envs]
         self.batch_size = batch_size
         self.seed = seed
+        self.slip_rate = slip_rate
 
     def batch(self, step: int, noise: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``(ids_BT, answer_BT)``: right-padded token ids and a mask of answer + ``<eos>``."""
@@ -158,8 +171,12 @@ class DemonstrationStream:
         rows: list[tuple[list[int], list[int]]] = []
         for row in range(self.batch_size):
             which = row % len(self.envs)
-            prompt = self.envs[which].prompt(step * rows_per_env + row // len(self.envs))
-            answer = corrupt_answer(prompt.target, self.alphabets[which], noise, rng)
+            env = self.envs[which]
+            prompt = env.train_prompt(step * rows_per_env + row // len(self.envs))
+            answer = prompt.target
+            if self.slip_rate and rng.random() < self.slip_rate:
+                answer = env.slip(prompt) or answer
+            answer = corrupt_answer(answer, self.alphabets[which], noise, rng)
             rows.append(
                 (
                     prompt_token_ids(self.tokenizer, prompt.text),
@@ -232,6 +249,7 @@ def pretrain(
     steps: int = DEFAULT_STEPS,
     seed: int = 0,
     envs: Sequence[str] = DEFAULT_ENVS,
+    slip_rate: float = DEFAULT_SLIP_RATE,
     noise: float = DEFAULT_NOISE,
     batch_size: int = DEFAULT_BATCH_SIZE,
     lr: float = DEFAULT_LR,
@@ -243,7 +261,7 @@ def pretrain(
 ) -> PretrainReport:
     """Pre-train the model in ``model_dir`` in place and write ``pretrain.json`` beside it.
 
-    See the module docstring for the method. The defaults take about 50 s on one CPU core.
+    See the module docstring for the method. The defaults take about 70 s on one CPU core.
     ``log`` receives a progress line (mean loss of the
     last steps) ten times per run. The directory is swapped whole at the end, so a reader sees
     either the old model or the pre-trained one with its ``pretrain.json``, never a mix.
@@ -263,6 +281,7 @@ def pretrain(
             [load_environment(name, seed=PRETRAIN_ENV_SEED + seed) for name in envs],
             batch_size,
             seed,
+            slip_rate,
         )
         losses = _train(model, stream, steps, lr, noise, noisy_fraction, prompt_loss, log)
         model.eval()
@@ -273,6 +292,7 @@ def pretrain(
         "steps": steps,
         "seed": seed,
         "envs": list(envs),
+        "slip_rate": slip_rate,
         "noise": noise,
         "noisy_fraction": noisy_fraction,
         "batch_size": batch_size,
@@ -349,7 +369,7 @@ def _train(
         losses.append(loss.item())
         if log is not None and ((step + 1) % log_every == 0 or step + 1 == steps):
             recent = losses[-log_every:]
-            phase = "noisy" if step >= first_noisy else "clean"
+            phase = "read-out, noisy" if step >= first_noisy else "all weights"
             log(f"pretrain step {step + 1}/{steps} ({phase}) loss {sum(recent) / len(recent):.3f}")
     return losses
 

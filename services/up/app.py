@@ -36,7 +36,7 @@ from services.up.view import plot_rewards, summary_record, summary_table
 
 log = logging.getLogger(__name__)
 
-TINY_MODEL_VERSION = "v2"
+TINY_MODEL_VERSION = "v3"
 MAX_LORA_RANK = 16
 
 

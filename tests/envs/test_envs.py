@@ -78,24 +78,46 @@ def test_builtin_prompt_formats() -> None:
         assert c.target == word and 3 <= len(word) <= 5
         a = add.prompt(i)
         x, y = a.text.removeprefix("add: ").removesuffix("=").split("+")
-        assert len(x) == len(y) == 1 and a.target == str(int(x) + int(y))
+        assert 0 <= int(x) <= 99 and 0 <= int(y) <= 9 and a.target == str(int(x) + int(y))
+    sums = {add.prompt(i).text for i in range(5000)}
+    assert len(sums) > 900  # enough distinct prompts for a held-out split of ~100
 
 
-def test_reverse_and_copy_partial_credit() -> None:
+def test_reverse_and_copy_exact_answers_earn_twice_any_near_miss() -> None:
     rev = ReverseEnv()
     p = Prompt(text="reverse: abcd=", target="dcba")
     assert rev.score(p, "dcba") == 1.0
-    assert rev.score(p, "dcbx") == 0.75
-    assert rev.score(p, "dc") == 0.5
-    assert rev.score(p, "dcbaaa") == pytest.approx(4 / 6)  # extra characters cost
+    assert rev.score(p, "dcbx") == 0.375
+    assert rev.score(p, "dcb") == 0.375  # the warm start's slip: one letter short
+    assert rev.score(p, "dc") == 0.25
+    assert rev.score(p, "dcbaaa") == pytest.approx(2 / 6)  # extra characters cost
     assert rev.score(p, "abcd") == 0.0  # copying does not solve reverse
     assert rev.score(p, " dcba") == 0.0  # shifted by one: nothing in place
-    assert rev.score(p, "dcb\na") == 0.75
+    assert rev.score(p, "dcb\na") == 0.375
+    assert rev.score(p, "dcba\nmore") == 1.0
     cp = CopyEnv()
     q = Prompt(text="copy: abcde=", target="abcde")
     assert cp.score(q, "abcde") == 1.0
-    assert cp.score(q, "edcba") == 0.2  # only the middle letter
-    assert cp.score(q, "abc") == 0.6
+    assert cp.score(q, "edcba") == 0.1  # only the middle letter
+    assert cp.score(q, "abc") == 0.3
+
+
+def test_slips_are_the_plausible_mistakes_the_warm_start_shows() -> None:
+    rev, cp, add = ReverseEnv(seed=0), CopyEnv(seed=0), AddEnv(seed=0)
+    assert rev.slip(Prompt(text="reverse: abcd=", target="dcba")) == "dcb"
+    assert cp.slip(Prompt(text="copy: abcde=", target="abcde")) == "abcd"
+    assert cp.slip(Prompt(text="copy: a=", target="a")) is None  # nothing left to drop
+    carry = Prompt(text="add: 47+8=", target="55")
+    assert add.slip(carry) == "45"  # the carry forgotten
+    assert add.score(carry, "45") == pytest.approx(0.2)
+    assert add.slip(Prompt(text="add: 95+7=", target="102")) == "92"
+    assert add.slip(Prompt(text="add: 41+3=", target="44")) == "44"  # no carry: no mistake
+    assert add.slip(Prompt(text="add: 0+0=", target="0")) == "0"
+    for i in range(200):  # a slip is wrong exactly when the sum carries
+        p = add.prompt(i)
+        a, b = (int(n) for n in p.text.removeprefix("add: ").removesuffix("=").split("+"))
+        assert (add.slip(p) != p.target) == (a % 10 + b >= 10)
+        assert rev.slip(rev.prompt(i)) == rev.prompt(i).target[:-1]
 
 
 def test_add_partial_credit() -> None:

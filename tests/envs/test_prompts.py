@@ -50,7 +50,9 @@ def test_completions_are_scored_without_special_tokens(tokenizer: Any) -> None:
     assert decode_ids(tokenizer, ids) == "cba"
     assert decode_ids(tokenizer, ids, skip_special_tokens=False) == "cba<eos>"
     assert score_completion(env, tokenizer, prompt, ids) == 1.0
-    assert score_completion(env, tokenizer, prompt, ids[:2]) == pytest.approx(2 / 3)
+    assert score_completion(env, tokenizer, prompt, ids[:2]) == pytest.approx(
+        1 / 3
+    )  # a near miss: half its accuracy
 
 
 def test_importing_the_library_pulls_in_neither_torch_nor_a_service() -> None:

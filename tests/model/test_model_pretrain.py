@@ -26,7 +26,8 @@ from services.model.pretrain import (
 from services.model.sampling import SequenceSpec, generate_batch
 
 ENVS = ("reverse", "copy", "add")
-SHORT = {"steps": 24, "eval_prompts": 16}
+# The optional noisy phase on, so that both phases run.
+SHORT = {"steps": 24, "eval_prompts": 16, "noise": 0.7, "noisy_fraction": 0.3}
 
 
 @pytest.fixture(autouse=True)
@@ -79,7 +80,7 @@ def test_the_clean_phase_lowers_the_loss(short_runs):
     assert losses[0] > 4.0
     assert sum(losses[13:17]) / 4 < losses[0] - 1.0
     lines = short_runs[0].lines
-    assert len(lines) == 12 and lines[-1].startswith("pretrain step 24/24 (noisy) loss ")
+    assert len(lines) == 12 and lines[-1].startswith("pretrain step 24/24 (read-out, noisy) loss ")
 
 
 def test_the_noisy_phase_moves_only_the_read_out(tiny_dir, tmp_path):
@@ -127,7 +128,7 @@ def test_demonstrations_are_bos_prompt_answer_eos(tiny_dir):
     stream = DemonstrationStream(tokenizer, envs, batch_size=6, seed=0)
     ids_BT, answer_BT = stream.batch(step=2, noise=0.0)
     for row in range(6):
-        prompt = envs[row % 3].prompt(2 * 2 + row // 3)
+        prompt = envs[row % 3].train_prompt(2 * 2 + row // 3)
         real = ids_BT[row][ids_BT[row] != tokenizer.pad_token_id].tolist()
         assert (
             decode_ids(tokenizer, real, skip_special_tokens=False)
@@ -137,6 +138,32 @@ def test_demonstrations_are_bos_prompt_answer_eos(tiny_dir):
         assert answer == prompt.target + "<eos>"
     again, _ = stream.batch(step=2, noise=0.0)
     assert torch.equal(again, ids_BT)
+
+
+def test_demonstrations_show_the_slip_at_the_slip_rate_and_never_a_held_out_prompt(tiny_dir):
+    _, tokenizer = load_model(tiny_dir)
+    envs = [load_environment(name, seed=5) for name in ENVS]
+    always = DemonstrationStream(tokenizer, envs, batch_size=6, seed=0, slip_rate=1.0)
+    ids_BT, answer_BT = always.batch(step=1, noise=0.0)
+    for row in range(6):
+        env = envs[row % 3]
+        prompt = env.train_prompt(2 + row // 3)
+        answer = decode_ids(tokenizer, ids_BT[row][answer_BT[row]].tolist(), False)
+        assert answer == f"{env.slip(prompt)}<eos>"
+    mixed = DemonstrationStream(tokenizer, envs[:2], batch_size=48, seed=0, slip_rate=0.65)
+    slipped = shown = 0
+    for step in range(40):
+        ids_BT, answer_BT = mixed.batch(step=step, noise=0.0)
+        for row in range(48):
+            env = envs[row % 2]
+            prompt = env.train_prompt(step * 24 + row // 2)
+            assert not env.is_heldout(prompt)
+            answer = decode_ids(tokenizer, ids_BT[row][answer_BT[row]].tolist(), False)
+            slipped += answer == f"{env.slip(prompt)}<eos>"
+            shown += 1
+    assert slipped / shown == pytest.approx(0.65, abs=0.04)
+    with pytest.raises(ValueError, match="slip_rate"):
+        DemonstrationStream(tokenizer, envs, batch_size=6, seed=0, slip_rate=1.5)
 
 
 def test_sampling_without_adapters_matches_step_by_step_decoding(tiny_dir):
@@ -225,7 +252,7 @@ def test_cli_pretrains_by_default(tiny_dir, tmp_path, capsys):
     assert len(lines) == 2 and lines[0].endswith("vocab 90, seed 0")
     assert lines[1].startswith("pre-trained for 10 steps in ")
     assert "sampled reward reverse " in lines[1]
-    assert "pretrain step 10/10 (noisy) loss " in captured.err
+    assert "pretrain step 10/10 (all weights) loss " in captured.err
     record = json.loads((out / PRETRAIN_FILE).read_text())
     assert (record["steps"], record["seed"]) == (10, 0)
     assert (out / "model.safetensors").read_bytes() != (tiny_dir / "model.safetensors").read_bytes()
