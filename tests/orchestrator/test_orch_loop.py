@@ -60,11 +60,12 @@ async def steps_are(obus: Bus, expected: list[int], timeout: float = 15.0) -> No
 
 
 def expected_rewards(step: int, batch_size: int = 2, group_size: int = 2) -> list[float]:
-    """Sample k answers the first k characters right: reward k / len(target)."""
+    """Sample k answers the first k characters right: reward 1 when that is the whole target,
+    else half its position accuracy, 0.5 * k / len(target)."""
     out = []
     for j in range(batch_size):
-        target = ENV.prompt(step * batch_size + j).target
-        out += [min(k, len(target)) / len(target) for k in range(group_size)]
+        n = len(ENV.prompt(step * batch_size + j).target)
+        out += [1.0 if k >= n else 0.5 * k / n for k in range(group_size)]
     return out
 
 
