@@ -4,7 +4,9 @@ Settings come from ``--config FILE`` (TOML), ``PLEXRL_*`` environment variables 
 that order of precedence (see :mod:`services.registry.settings`). ``SIGHUP`` asks for an
 immediate scan of ``output_dir``; ``SIGTERM`` / ``SIGINT`` stop the service cleanly.
 
-Exit status: 0 after a clean stop, 1 when NATS cannot be reached, 2 for unusable settings.
+Exit status: 0 after a clean stop, 1 when NATS cannot be reached, 2 for unusable settings (a
+validation hook that does not load, a tenants file that does not parse, a ``--model`` whose LoRA
+targets the trainer cannot wrap).
 """
 
 from __future__ import annotations
@@ -43,20 +45,26 @@ def run(args: argparse.Namespace) -> int:
     from services.config.tenants import TenantsFileError, load_tenants
     from services.launch import fail, run_service
     from services.registry.service import Registry, RegistryError
-    from services.registry.validation import HookLoadError, make_validator
+    from services.registry.validation import DeploymentError, HookLoadError, make_validator
 
     try:
         settings = settings_from_args(RegistrySettings, args)
         url = nats_url(args)
-        # Load the hooks and the tenants file before connecting: a mistake in either is a usage
-        # error.
-        make_validator(settings.max_lora_rank, settings.max_async_level, settings.validation_hooks)
+        # Load the hooks and the tenants file and check the model's LoRA targets before
+        # connecting: a mistake in any of them is a usage error.
+        validator = make_validator(
+            settings.max_lora_rank,
+            settings.max_async_level,
+            settings.validation_hooks,
+            model=settings.model,
+            target_modules=settings.target_modules,
+        )
         tenants = load_tenants(settings.tenants_file)
-    except (SettingsError, HookLoadError, TenantsFileError) as exc:
+    except (SettingsError, HookLoadError, DeploymentError, TenantsFileError) as exc:
         return fail("registry", exc)
 
     async def serve(bus: Any, stop: asyncio.Event) -> None:
-        registry = Registry(bus, settings, tenants=tenants)
+        registry = Registry(bus, settings, validator=validator, tenants=tenants)
         try:
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, registry.request_scan)
         except (NotImplementedError, RuntimeError):  # no SIGHUP on this platform

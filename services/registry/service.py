@@ -70,8 +70,14 @@ class Registry:
         self.bus = bus
         self.settings = settings
         self.output_dir = settings.output_dir
+        # DeploymentError for a model whose LoRA targets the trainer cannot wrap (the CLI makes
+        # the validator first: exit status 2)
         self.validator = validator or make_validator(
-            settings.max_lora_rank, settings.max_async_level, settings.validation_hooks
+            settings.max_lora_rank,
+            settings.max_async_level,
+            settings.validation_hooks,
+            model=settings.model,
+            target_modules=settings.target_modules,
         )
         # TenantsFileError for a file that does not load (the CLI loads it first: exit status 2)
         self.tenants = tenants if tenants is not None else load_tenants(settings.tenants_file)

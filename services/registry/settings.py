@@ -2,11 +2,14 @@
 
 Precedence, lowest first: defaults, ``--config FILE`` (TOML), ``PLEXRL_<FIELD>`` environment
 variables (``PLEXRL_OUTPUT_DIR``, ``PLEXRL_MAX_RUNS``, ``PLEXRL_TENANTS_FILE``,
-``PLEXRL_VALIDATION_HOOKS`` as a comma-separated list...), then command-line flags.
+``PLEXRL_VALIDATION_HOOKS`` as a comma-separated list...), then command-line flags. ``model``
+and ``target_modules`` read the trainer's variables (``PLEXRL_MODEL``,
+``PLEXRL_TARGET_MODULES``), so one environment tells both which layers carry LoRA.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -40,6 +43,18 @@ class RegistrySettings(BaseModel):
     max_async_level: int = Field(
         64, ge=0, le=64, description="largest max_async_level a run may ask for"
     )
+    model: Path | None = Field(
+        None,
+        description="the deployment's model directory (the trainer's --model); when set, the "
+        "registry reads its config.json at start-up and refuses to start if a LoRA target is "
+        "not a layer the trainer can wrap (no weights are read)",
+    )
+    target_modules: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="the trainer's target_modules, checked against model; unset: the model "
+        "family's default, as in the trainer",
+    )
     tenants_file: Path | None = Field(
         None,
         description="the tenants file (TOML, `plexrl tenants add` writes it): which tenants may "
@@ -53,6 +68,12 @@ class RegistrySettings(BaseModel):
     service: Token = Field(
         "registry", description="service name: errors go to plexrl.errors.<service>"
     )
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _split_target_modules(cls, v: object) -> object:
+        # PLEXRL_TARGET_MODULES arrives as one string: "q_proj,v_proj" or "q_proj v_proj".
+        return [t for t in re.split(r"[,\s]+", v) if t] if isinstance(v, str) else v
 
     @field_validator("validation_hooks")
     @classmethod

@@ -7,6 +7,14 @@ that exist); extra hooks are named on the command line as ``module:function``.
 
 Everything here is pure: text or a dict in, a :class:`Verdict` out. The registry decides what a
 verdict means for files, the index pool and the bus.
+
+Told the deployment's model (``model``, and ``target_modules`` when the trainer is given them),
+the registry also checks that every LoRA target resolves to a layer the trainer's multi-LoRA
+layer can wrap (:func:`check_model_targets`). A run names neither the model nor the targets
+(both belong to the deployment: one base model, one set of adapter slots), so every run would
+get the same answer: the check runs once, when the validator is made, and a failure stops the
+registry at start-up (exit 2) with the module's name and type instead of admitting runs the
+trainer cannot train. Reading the model's ``config.json`` is the one file access of this module.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import importlib.util
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from importlib.machinery import ModuleSpec
+from pathlib import Path
 from typing import Any
 
 from schemas.config import (
@@ -33,6 +42,10 @@ ValidationHook = Callable[[OrchConfig], tuple[bool, str]]
 
 class HookLoadError(ValueError):
     """A ``module:function`` hook name that does not name a callable."""
+
+
+class DeploymentError(ValueError):
+    """The deployment's model cannot carry LoRA on its targets: no run could train on it."""
 
 
 @dataclass(frozen=True)
@@ -154,6 +167,29 @@ def load_hook(name: str) -> ValidationHook:
     return hook  # type: ignore[no-any-return]
 
 
+# --- the deployment's model --------------------------------------------------------------
+
+
+def check_model_targets(model: Path, target_modules: Sequence[str] | None = None) -> list[str]:
+    """The module paths the trainer's LoRA wraps in ``model``; DeploymentError when it cannot.
+
+    ``target_modules`` None takes the family's default, as the trainer does. Only
+    ``config.json`` is read: the model is built on the meta device, so a large model costs no
+    memory. The error names the first target that is not an ``nn.Linear`` or ``Conv1D`` layer,
+    with its type (a whole block, a mixture of experts' fused expert weights...).
+    """
+    # torch and transformers: imported only by a registry told the model.
+    from services.model.families import check_targets
+
+    try:
+        return check_targets(model, target_modules)
+    except ValueError as exc:
+        raise DeploymentError(
+            f"model {model}: {exc} (the trainer would refuse the same targets at start-up, so "
+            "no run could train on this deployment)"
+        ) from None
+
+
 # --- the validator --------------------------------------------------------------------------
 
 
@@ -216,8 +252,20 @@ class Validator:
 
 
 def make_validator(
-    max_lora_rank: int, max_async_level: int, hook_names: Sequence[str] = ()
+    max_lora_rank: int,
+    max_async_level: int,
+    hook_names: Sequence[str] = (),
+    *,
+    model: Path | None = None,
+    target_modules: Sequence[str] | None = None,
 ) -> Validator:
-    """Built-in hooks for the registry's limits, then the named hooks."""
+    """Built-in hooks for the registry's limits, then the named hooks.
+
+    With ``model``, first checks the deployment's LoRA targets (:func:`check_model_targets`);
+    DeploymentError when a run could not train on it, HookLoadError for a hook that does not
+    load.
+    """
+    if model is not None:
+        check_model_targets(model, target_modules)
     hooks = [max_lora_rank_hook(max_lora_rank), max_async_level_hook(max_async_level)]
     return Validator([*hooks, known_env_hook, *(load_hook(n) for n in hook_names)])
