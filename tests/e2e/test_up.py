@@ -137,13 +137,15 @@ def test_async_bound_holds(scenario: Scenario) -> None:
 
 def test_runs_learn(scenario: Scenario) -> None:
     rows = _metrics(scenario.output_dir, "run_reverse")
-    rewards = [float(m["reward_mean"]) for m in rows]
-    first, last = _window(rewards)
-    assert last >= first + 0.1, rewards
     # Learned, not only sharpened: greedy on held-out prompts beats the base at its best
     # temperature (the warm start's slip, stopping a letter early, is what RL unlearns).
     final = rows[-1]
     assert final["heldout_greedy"] >= final["base_best"] + 0.1, final
+    # The training reward rises within the first few dozen steps: compare the first 5% of the
+    # steps with the last 20%.
+    rewards = [float(m["reward_mean"]) for m in rows]
+    first, last = _window(rewards, 0.05)[0], _window(rewards)[1]
+    assert last >= first + 0.1, rewards
 
 
 def test_third_run_joins_without_disturbing_the_others(scenario: Scenario) -> None:
