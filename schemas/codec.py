@@ -1,7 +1,10 @@
 """Encoding and decoding of events: JSON (canonical) and MessagePack.
 
-Decoders are built once per target type and reused; ``decode`` raises :class:`DecodeError` with
-a message that says what was wrong (msgspec's path-qualified validation errors).
+Decoders are built once per target type and reused; ``decode`` raises :class:`DecodeError`, with
+a message that says what was wrong (msgspec's path-qualified validation errors), for every
+payload it cannot read. That includes the payloads on which msgspec raises something else: a
+string that is not UTF-8 (UnicodeDecodeError) and nesting deeper than the interpreter's
+recursion limit (RecursionError; a few kilobytes of ``[`` are enough).
 """
 
 from __future__ import annotations
@@ -71,17 +74,22 @@ def decode(
         return cast(T, _json_decoder(cast(Any, target)).decode(data))
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise DecodeError(str(exc)) from exc
+    except UnicodeDecodeError as exc:
+        raise DecodeError(f"a string in the payload is not UTF-8: {exc}") from None
+    except RecursionError:
+        raise DecodeError("the payload nests arrays or objects too deeply to decode") from None
 
 
 def salvage_id(data: bytes, field: str = "request_id") -> str:
     """The string ``field`` (a request id, a run id) of a payload that did not validate, if one
     can be read; else ""."""
+    unreadable = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
     try:
         raw = msgspec.json.decode(data)
-    except msgspec.DecodeError:
+    except unreadable:
         try:
             raw = msgspec.msgpack.decode(data)
-        except msgspec.DecodeError:
+        except unreadable:
             return ""
     value = raw.get(field) if isinstance(raw, dict) else None
     if isinstance(value, str) and 0 < len(value) <= 256:

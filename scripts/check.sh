@@ -8,4 +8,6 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 .venv/bin/ruff format --check schemas services tests bench deploy
 .venv/bin/mypy
 .venv/bin/plexrl schemas check
-.venv/bin/python -m pytest "$@"
+# Two workers, each test file on one of them (module fixtures such as a trained deployment are
+# built once): most tests wait on processes and the broker, so the second core is otherwise idle.
+.venv/bin/python -m pytest -n 2 --dist loadfile "$@"

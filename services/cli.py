@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "services.registry.client_cli",
     "services.model.cli",
     "services.tenants.cli",
+    "services.launch.health",
     "schemas.cli",
 ]
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import ssl
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import ConnectionClosedError, NoServersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext, api
+from nats.js.errors import APIError
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
@@ -38,6 +40,7 @@ from schemas.subjects import errors_subject
 from schemas.tenant import DEFAULT_TENANT, inbox_prefix
 from services.bus import tracing
 from services.bus.errors import BusUnavailable, PayloadTooLarge
+from services.bus.limits import STREAM_SETTINGS, storage_full, stream_of, wait_while_full
 from services.bus.provision import provision
 from services.bus.retry import with_backoff
 from services.config import ProcessSettings, process_settings
@@ -149,6 +152,19 @@ def _advice_for(reason: str, settings: ProcessSettings) -> str:
         )
     return f"{reason}; PLEXRL_TLS_CA is {settings.tls_ca}"
 
+
+_BY_REFERENCE = (
+    "send big data by reference (the object store, a file) or split it, or raise the "
+    "server's max_payload (nats-server setting, at most 64 MiB)"
+)
+_SHRINK = {
+    "RolloutBatch": (
+        "lower the run's batch_size, group_size or sampling.max_tokens (a step travels as one "
+        "message), or raise the server's max_payload (nats-server setting, at most 64 MiB; "
+        "`plexrl up` uses 8 MiB); big data otherwise travels by reference"
+    ),
+}
+"""What to do about an event over the server's max_payload, by event type."""
 
 FIRST_RETRY_DELAY, MAX_RETRY_DELAY = 0.25, 5.0
 """seconds between tries of a first connection: 0.25, doubling up to 5"""
@@ -305,7 +321,11 @@ class Bus:
         closing.append(bus)
         # a tenant's credentials may not create or inspect streams: the services provision them
         if provision_streams and settings.tenant == DEFAULT_TENANT:
-            await provision(bus.js, replicas=settings.stream_replicas)
+            try:
+                await provision(bus.js, replicas=settings.stream_replicas, settings=settings)
+            except BaseException:
+                await bus.close()  # a limit the server cannot reserve, say: no half-open client
+                raise
         return bus
 
     async def close(self) -> None:
@@ -332,8 +352,9 @@ class Bus:
         limit = self.nc.max_payload or 0
         if limit and len(data) > limit:
             raise PayloadTooLarge(
-                f"{type(event).__name__} for {subject} is {len(data)} bytes, over the server's "
-                f"max_payload of {limit}: send big data by reference (object store) or split it"
+                f"{type(event).__name__} for {subject} is {len(data)} bytes encoded as {fmt}, "
+                f"over the server's max_payload of {limit} bytes, so it was not sent: "
+                f"{_SHRINK.get(type(event).__name__, _BY_REFERENCE)}"
             )
         return data
 
@@ -346,11 +367,16 @@ class Bus:
         fmt: Format | None = None,
         timeout: float = 5.0,
         attempts: int = 20,
+        full_wait: float = math.inf,
     ) -> api.PubAck:
         """Publish ``event`` to a JetStream subject and wait for the stream's acknowledgement.
 
         ``msg_id`` becomes ``Nats-Msg-Id``, so a retried publish is stored once. Transient
         failures (no responders while the server restarts, timeouts) are retried with backoff.
+        An event over the server's ``max_payload`` is :class:`PayloadTooLarge` before anything
+        is sent. While the stream (or the server's store) is full the publish waits, up to
+        ``full_wait`` seconds, then raises :class:`~services.bus.errors.StorageFull`, which
+        says which stream and what to do (see :func:`~services.bus.limits.wait_while_full`).
         """
         fmt = fmt or self.fmt
         with self._tracer.start_as_current_span(
@@ -360,17 +386,35 @@ class Bus:
         ):
             data = self._encode(subject, event, fmt)
             headers = self._headers(msg_id, fmt)
+            what = f"{self.service}: publishing {type(event).__name__} to {subject}"
 
             def retrying(exc: BaseException, attempt: int, _: float) -> None:
                 log.debug("publish to %s failed (%s), retry %d", subject, exc, attempt)
 
-            return await with_backoff(
-                lambda: self.js.publish(subject, data, timeout=timeout, headers=headers),
-                attempts=attempts,
-                first_delay=0.05,
-                max_delay=1.0,
-                give_up=lambda: self.nc.is_closed,
-                on_retry=retrying,
+            async def once() -> api.PubAck:
+                try:
+                    return await with_backoff(
+                        lambda: self.js.publish(subject, data, timeout=timeout, headers=headers),
+                        attempts=attempts,
+                        first_delay=0.05,
+                        max_delay=1.0,
+                        give_up=lambda: self.nc.is_closed,
+                        on_retry=retrying,
+                    )
+                except APIError as exc:
+                    stream = stream_of(subject)
+                    full = storage_full(
+                        exc,
+                        where=f"stream {stream}" if stream else f"the stream of {subject}",
+                        setting=STREAM_SETTINGS.get(stream or "", ""),
+                        what=f"{type(event).__name__} to {subject}",
+                    )
+                    if full is None:
+                        raise
+                    raise full from exc
+
+            return await wait_while_full(
+                once, what=what, full_wait=full_wait, give_up=lambda: self.nc.is_closed
             )
 
     async def request(
@@ -396,7 +440,9 @@ class Bus:
     async def report(self, event: InvalidMessage | ServiceError) -> None:
         """Publish an error report on ``plexrl.errors.<service>``; never raises."""
         try:
-            await self.publish(errors_subject(self.service), event, attempts=3, timeout=2.0)
+            await self.publish(
+                errors_subject(self.service), event, attempts=3, timeout=2.0, full_wait=0
+            )
         except Exception as exc:
             log.error("%s: could not report %s: %s", self.service, type(event).__name__, exc)
 

@@ -21,3 +21,21 @@ class Retry(Exception):
 
 class PayloadTooLarge(ValueError):
     """An encoded event exceeds the server's max payload; big things travel by reference."""
+
+
+class StorageFull(RuntimeError):
+    """A stream, KV bucket or object store refused a write because it is full, or the server's
+    whole JetStream store is. The message names it, its limit and what to do.
+
+    ``where`` is what refused ("stream PLEXRL_ROLLOUTS", "object store plexrl-weights"),
+    ``setting`` the variable that raises its limit (empty when the server itself is full),
+    ``server`` whether the server's JetStream store (its ``max_file_store`` or the disk) is full
+    rather than this one limit. Writers that must not lose data wait while it lasts
+    (:func:`services.bus.limits.wait_while_full`); nothing was stored.
+    """
+
+    def __init__(self, message: str, *, where: str, setting: str = "", server: bool = False):
+        super().__init__(message)
+        self.where = where
+        self.setting = setting
+        self.server = server

@@ -66,6 +66,10 @@ class EmbeddedNats:
     server's config as it is (an ``authorization`` or ``tls`` block of ``plexrl nats-config``);
     ``include`` names a file of such blocks that the config includes. Without either, the server
     accepts every client, as plain TCP.
+
+    ``max_payload`` is the largest message in bytes (8 MiB; a stock server allows 1 MiB).
+    ``max_file_store`` caps the JetStream file store in bytes (default: the server's own, 75%
+    of the free disk); a small one shows what a full disk does.
     """
 
     def __init__(
@@ -76,6 +80,9 @@ class EmbeddedNats:
         monitor_port: int | None = None,
         extra_config: str = "",
         include: str | Path | None = None,
+        *,
+        max_payload: int = MAX_PAYLOAD,
+        max_file_store: int | None = None,
     ) -> None:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if store_dir is None:
@@ -87,6 +94,8 @@ class EmbeddedNats:
         self.monitor_port = monitor_port
         self.extra_config = extra_config
         self.include = Path(include).resolve() if include is not None else None
+        self.max_payload = max_payload
+        self.max_file_store = max_file_store
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -98,11 +107,15 @@ class EmbeddedNats:
         conf = self.store_dir / "plexrl-nats.conf"
         # sync_interval "always" flushes every acknowledged write, so a crash loses nothing
         # that a publisher was told is stored.
+        store_limit = (
+            "" if self.max_file_store is None else f"  max_file_store: {self.max_file_store}\n"
+        )
         text = (
-            f"max_payload: {MAX_PAYLOAD}\n"
+            f"max_payload: {self.max_payload}\n"
             "jetstream {\n"
             f'  store_dir: "{self.store_dir}"\n'
             "  sync_interval: always\n"
+            f"{store_limit}"
             "}\n"
         )
         if self.extra_config:

@@ -10,12 +10,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator
 
 from schemas.tenant import validate_tenant
 from services.config.loader import load_settings
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+
+MiB, GiB, DAY_S = 1 << 20, 1 << 30, 24 * 3600.0
+_BYTES = "bytes (a number, or with a unit: 512MiB, 2GiB; 0: no limit of its own)"
 
 
 class ProcessSettings(BaseModel):
@@ -40,6 +43,56 @@ class ProcessSettings(BaseModel):
         le=5,
         description="copies of each stream, bucket and object store: 1 on one server, 3 on a "
         "three-server cluster (provisioning raises the count of an existing stream)",
+    )
+    # Storage limits. Every service applies them at start-up (provisioning updates the streams,
+    # buckets and stores), so give every service the same values. README: "Storage limits".
+    runs_max_bytes: ByteSize = Field(
+        ByteSize(256 * MiB),
+        ge=0,
+        description=f"PLEXRL_RUNS (run lifecycle events, kept for good): {_BYTES}; when full, "
+        "new lifecycle events wait",
+    )
+    rollouts_max_bytes: ByteSize = Field(
+        ByteSize(2 * GiB),
+        ge=0,
+        description=f"PLEXRL_ROLLOUTS (batches not yet trained, and the newest of each run): "
+        f"{_BYTES}; when full, orchestrators wait",
+    )
+    rollouts_max_age_s: float = Field(
+        7 * DAY_S,
+        ge=0,
+        description="seconds a rollout batch is kept at most, trained or not (0: no limit)",
+    )
+    weights_events_max_bytes: ByteSize = Field(
+        ByteSize(64 * MiB),
+        ge=0,
+        description=f"PLEXRL_WEIGHTS (the newest 8 WeightsReady of each run): {_BYTES}; when "
+        "full, the trainer waits",
+    )
+    errors_max_bytes: ByteSize = Field(
+        ByteSize(256 * MiB),
+        ge=0,
+        description=f"PLEXRL_ERRORS (error reports): {_BYTES}; when full, the oldest reports go",
+    )
+    errors_max_age_s: float = Field(
+        7 * DAY_S, ge=0, description="seconds an error report is kept at most (0: no limit)"
+    )
+    kv_max_bytes: ByteSize = Field(
+        ByteSize(64 * MiB),
+        ge=0,
+        description=f"each KV bucket (plexrl-registry, plexrl-progress; 5 revisions per key): "
+        f"{_BYTES}; when full, writers wait",
+    )
+    weights_store_max_bytes: ByteSize = Field(
+        ByteSize(2 * GiB),
+        ge=0,
+        description=f"object store plexrl-weights (the newest PLEXRL_KEEP_WEIGHTS versions of "
+        f"each run): {_BYTES}; when full, the trainer waits",
+    )
+    tenant_weights_store_max_bytes: ByteSize = Field(
+        ByteSize(512 * MiB),
+        ge=0,
+        description=f"each tenant's object store plexrl-weights-<tenant>: {_BYTES}",
     )
     nats_server: Path | None = Field(
         None,

@@ -291,6 +291,13 @@ class InferenceService:
                 msg.subject, "a GenerateRequest needs a reply subject (use request/reply)", msg.data
             )
             return
+        try:
+            sj.tenant_of_subject(msg.subject)  # the tenants' wildcard takes any token
+        except ValueError as exc:
+            await self.bus.report_invalid(msg.subject, str(exc), msg.data)
+            response = failure(salvage_id(msg.data), "", f"invalid GenerateRequest: {exc}")
+            await self._reply(msg, response, dict(msg.headers or {}))
+            return
         # The subscription handles one message at a time: serve each in its own task.
         self._spawn(self._serve(msg))
 
@@ -327,7 +334,7 @@ class InferenceService:
         except (DecodeError, RequestFailed) as exc:
             await self.bus.report_invalid(subject, str(exc), data)
             return failure(salvage_id(data), "", f"invalid GenerateRequest: {exc}")
-        tenant = sj.tenant_of_subject(subject)  # the queue subscriptions take only legal ones
+        tenant = sj.tenant_of_subject(subject)  # _on_request answered the illegal ones
         span.set_attribute("run_id", req.run_id)
         span.set_attribute("request_id", req.request_id)
         span.set_attribute("tenant", tenant)

@@ -8,9 +8,10 @@ import sys
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
-from services.bus import Bus, BusUnavailable, setup_tracing, stop_on_signals
+from services.bus import Bus, BusUnavailable, StorageFull, setup_tracing, stop_on_signals
 from services.bus.tracing import shutdown_tracing
 from services.config import process_settings
+from services.launch.health import announce
 from services.telemetry.metrics import setup_metrics
 
 EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE = 0, 1, 2
@@ -39,7 +40,8 @@ def run_service(
     ``stop`` is set by SIGTERM or SIGINT; ``serve`` returns once it has stopped cleanly, and the
     connection is drained after it. ``serve`` may return an exit status (None is 0).
     ``errors`` maps exception types raised by ``serve`` to exit statuses (the message goes to
-    stderr); an unreachable NATS server is always status 1.
+    stderr); an unreachable NATS server is always status 1. While connected, the process answers
+    ``plexrl health <service>`` (:mod:`services.launch.health`).
     """
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -48,7 +50,8 @@ def run_service(
     setup_metrics(service)
     wait = process_settings().connect_wait_s
     try:
-        return _run(command, _connected(serve, nats_url, bus_name or service, True, wait), errors)
+        main = _connected(serve, nats_url, bus_name or service, True, wait, health=service)
+        return _run(command, main, errors)
     finally:
         shutdown_tracing()
 
@@ -70,17 +73,26 @@ def run_client(
     return _run(command, main, errors)
 
 
-async def _connected(serve: Serve, url: str, name: str, signals: bool, wait: float) -> int:
+async def _connected(
+    serve: Serve, url: str, name: str, signals: bool, wait: float, health: str | None = None
+) -> int:
     stop = stop_on_signals() if signals else asyncio.Event()
     bus = await Bus.connect(url, name, wait=wait)
     try:
-        return int(await serve(bus, stop) or EXIT_OK)
+        announced = await announce(bus, health) if health is not None else None
+        try:
+            return int(await serve(bus, stop) or EXIT_OK)
+        finally:
+            if announced is not None and not bus.nc.is_closed:
+                await announced.stop()
     finally:
         await bus.close()
 
 
 def _run(command: str, main: Coroutine[Any, Any, int], errors: Errors | None) -> int:
-    statuses: dict[type[BaseException], int] = {BusUnavailable: EXIT_UNAVAILABLE, **(errors or {})}
+    # a full store or limits the server cannot reserve: the message says which and what to do
+    unavailable = {BusUnavailable: EXIT_UNAVAILABLE, StorageFull: EXIT_UNAVAILABLE}
+    statuses: dict[type[BaseException], int] = {**unavailable, **(errors or {})}
     try:
         return asyncio.run(main)
     except tuple(statuses) as exc:

@@ -128,7 +128,10 @@ async def _publish_submit(bus: Any, run_id: str, config: Any, wait: float) -> in
         submitted_by=f"plexrl submit ({getpass.getuser()}@{socket.gethostname()})",
     )
     subject = sj.runs_subject("submit", tenant)
-    ack = await bus.publish(subject, event, msg_id=f"{run_id}/submit/{uuid.uuid4().hex}")
+    # a full PLEXRL_RUNS is an error at once (exit 1, saying which limit), not a silent wait
+    ack = await bus.publish(
+        subject, event, msg_id=f"{run_id}/submit/{uuid.uuid4().hex}", full_wait=0
+    )
     print(f"submitted {run_id} (config {digest}, stream sequence {ack.seq})")
     if wait > 0:
         return await _await_answer(bus, run_id, digest, answers, wait, tenant)
@@ -207,7 +210,7 @@ async def _publish_evict(bus: Any, run_id: str, reason: str) -> int:
         record = None
     event = EvictRequested(run_id=run_id, reason=reason[:16000], requested_by="plexrl evict")
     subject = sj.runs_subject("evict", tenant)
-    await bus.publish(subject, event, msg_id=f"{run_id}/evict/{uuid.uuid4().hex}")
+    await bus.publish(subject, event, msg_id=f"{run_id}/evict/{uuid.uuid4().hex}", full_wait=0)
     print(f"asked the registry to evict {run_id}: {reason}")
     if record is None or record.status in ("evicted", "forgotten"):
         # sent anyway: the registry may find the directory the table does not list yet

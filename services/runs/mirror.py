@@ -18,8 +18,8 @@ sequence, so all ranks apply exactly the same events.
 
 Lifecycle events of the default tenant's runs arrive on ``plexrl.runs.<kind>``, those of tenant
 ``t`` on ``plexrl.runs.<t>.<kind>``; the mirror decodes both and keeps each run's tenant
-(:meth:`RunMirror.tenant_of`). An event whose ``tenant`` is not the one its subject names is
-reported and skipped.
+(:meth:`RunMirror.tenant_of`). An event whose ``tenant`` is not the one its subject names, or a
+RunDiscovered whose config does not validate, is reported and skipped.
 """
 
 from __future__ import annotations
@@ -120,13 +120,20 @@ class RunMirror:
         await self._follower.stop()
 
     def _on_event(self, seq: int, event: Lifecycle, meta: MessageMeta) -> None:
+        # The follower reports a DecodeError as invalid and skips the message.
         subject_tenant = sj.tenant_of_subject(meta.subject)
         if event.tenant != subject_tenant:
-            # The follower reports it as invalid and skips it.
             raise DecodeError(
                 f"{type(event).__name__} of {event.run_id} names tenant {event.tenant!r} but "
                 f"arrived on {meta.subject} (tenant {subject_tenant!r})"
             )
+        if isinstance(event, RunDiscovered):
+            try:
+                orch_config_from_dict(event.config)
+            except ConfigError as exc:
+                raise DecodeError(
+                    f"RunDiscovered of {event.run_id} carries a config no run can use: {exc}"
+                ) from None
         self._buffer.append((seq, event))
 
     async def wait_until_caught_up(self, timeout: float = 10.0) -> None:

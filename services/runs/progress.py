@@ -12,7 +12,7 @@ import logging
 import time
 
 import msgspec
-from nats.js.errors import KeyDeletedError, KeyNotFoundError
+from nats.js.errors import APIError, KeyDeletedError, KeyNotFoundError
 
 from schemas.codec import decode, encode
 from schemas.records import Progress
@@ -20,6 +20,7 @@ from schemas.run_id import validate_run_id
 from schemas.subjects import KV_PROGRESS
 from schemas.tenant import validate_tenant
 from services.bus import Bus
+from services.bus.limits import storage_full, wait_while_full
 from services.bus.retry import with_backoff
 from services.runs.kv import bucket
 
@@ -31,7 +32,8 @@ PUT_ATTEMPTS = 20
 
 async def write_progress(bus: Bus, run_id: str, progress: Progress) -> int:
     """Store ``progress`` as ``run_id``'s latest, stamped with the time. Returns the revision.
-    Transient failures (the server restarting) are retried with backoff.
+    Transient failures (the server restarting) are retried with backoff; while the bucket
+    (or the server's store) is full the write waits for room.
 
     ``progress.tenant`` names the run's owner; an illegal name raises
     :class:`~schemas.tenant.InvalidTenant` and writes nothing."""
@@ -41,18 +43,33 @@ async def write_progress(bus: Bus, run_id: str, progress: Progress) -> int:
 
     async def put() -> int:
         kv = await bucket(bus, KV_PROGRESS)
-        return await kv.put(run_id, value)  # the same value written again is harmless
+        try:
+            return await kv.put(run_id, value)  # the same value written again is harmless
+        except APIError as exc:
+            full = storage_full(
+                exc,
+                where=f"KV bucket {KV_PROGRESS}",
+                setting="kv_max_bytes",
+                what=f"the progress of {run_id}",
+            )
+            if full is None:
+                raise
+            raise full from exc
 
     def retrying(exc: BaseException, attempt: int, _: float) -> None:
         log.warning("progress of %s: write failed (%s), retry %d", run_id, exc, attempt)
 
-    return await with_backoff(
-        put,
-        attempts=PUT_ATTEMPTS,
-        first_delay=0.1,
-        max_delay=2.0,
+    return await wait_while_full(
+        lambda: with_backoff(
+            put,
+            attempts=PUT_ATTEMPTS,
+            first_delay=0.1,
+            max_delay=2.0,
+            give_up=lambda: bus.nc.is_closed,
+            on_retry=retrying,
+        ),
+        what=f"progress of {run_id}",
         give_up=lambda: bus.nc.is_closed,
-        on_retry=retrying,
     )
 
 

@@ -1,8 +1,9 @@
 """Training commands on rank 0: receiving them from NATS and answering them.
 
 :class:`CommandInbox` subscribes to ``plexrl.train.>``, decodes each request, answers at once
-what does not decode (with the request id it could read), and queues the rest for the trainer's
-next step boundary, where :class:`~services.trainer.commands.CommandRunner` executes them. See
+what does not decode or comes on a subject that names no command (with the request id it could
+read), and queues the rest for the trainer's next step boundary, where
+:class:`~services.trainer.commands.CommandRunner` executes them. See
 :mod:`services.trainer.commands` for what each command does and which checks apply.
 """
 
@@ -17,6 +18,7 @@ import msgspec
 from nats.aio.msg import Msg
 
 from schemas.codec import DecodeError, Format, content_type, decode, encode, is_msgpack, salvage_id
+from schemas.events import ServiceError
 from schemas.training import (
     TRAIN_COMMANDS,
     TRAIN_WILDCARD,
@@ -104,6 +106,8 @@ class CommandInbox:
             tenant, kind = parse_train_subject(msg.subject)
         except ValueError as exc:
             await self.bus.report_invalid(msg.subject, str(exc), msg.data)
+            if msg.reply:
+                await self._reply(msg, _not_a_command(msg, str(exc), self.bus.service))
             return
         request_type: type[Any] = TRAIN_COMMANDS[kind][0]
         if not msg.reply:
@@ -137,6 +141,18 @@ class CommandInbox:
             await self.bus.nc.publish(msg.reply, encode(result, fmt), headers=headers)
         except Exception as exc:  # the requester may be gone; a retry gets the stored result
             log.warning("trainer: could not answer %s: %s", msg.subject, exc)
+
+
+def _not_a_command(msg: Msg, error: str, service: str) -> msgspec.Struct:
+    """The answer to a request on a subject that names no command of a legal tenant, so that
+    its sender learns why instead of waiting out its timeout: the result type of the command
+    the subject ends in, else a ServiceError."""
+    kind = msg.subject.rsplit(".", 1)[-1]
+    if kind in _RESULTS:
+        return _RESULTS[kind](
+            request_id=salvage_id(msg.data), run_id=salvage_id(msg.data, "run_id"), error=error
+        )
+    return ServiceError(service=service, error=error)
 
 
 def wrong_tenant(command: Command) -> str:

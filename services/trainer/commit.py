@@ -14,7 +14,10 @@ The order makes a crash at any point neither skip nor repeat a step:
 5. **ack** of every batch the checkpoint now holds. Until then a trained batch stays unacked
    (kept alive by in-progress signals), so after a crash the server redelivers exactly the
    batches of the steps that must be trained again; those the checkpoint holds are acked and
-   skipped by the intake. With ``ckpt.interval = 1`` nothing is ever retrained.
+   skipped by the intake. With ``ckpt.interval = 1`` nothing is ever retrained. The run's
+   batches stored before the newest acked one, and below every consumer's ack floor, are then
+   purged from the stream (the newest stays: a restarted orchestrator resumes after it), so the
+   stream holds the backlog, not the history.
 
 Between checkpoints (interval > 1) WeightsReady and progress are still published after every
 step; a crash then retrains the steps after the checkpoint from their redelivered batches and
@@ -39,7 +42,9 @@ from typing import Any
 
 from opentelemetry import trace
 
+from schemas.subjects import ROLLOUTS_STREAM
 from services.bus import Bus, Delivery
+from services.bus.limits import purge_consumed
 from services.launch.faults import crash_point
 from services.runs.mirror import RunMirror
 from services.runs.progress import write_progress
@@ -191,9 +196,21 @@ class Committer:
         )
 
     async def _ack_committed(self, run_id: str) -> None:
+        newest: Delivery | None = None
         for trained in self._trained.pop(run_id, []):
             for delivery in trained.deliveries:
                 await delivery.ack()
+                if newest is None or delivery.stream_sequence > newest.stream_sequence:
+                    newest = delivery
+        if newest is not None:
+            # The run's batches before the newest committed one will never be read again:
+            # freeing them lets PLEXRL_ROLLOUTS_MAX_BYTES bound the backlog, not the history.
+            # Only what every consumer acknowledged goes (a batch trained out of order may still
+            # wait for its checkpoint); the newest stays, the witness a restarted orchestrator
+            # resumes after.
+            await purge_consumed(
+                self.bus.js, ROLLOUTS_STREAM, newest.msg.subject, newest.stream_sequence
+            )
 
     async def flush(self, state: RunState) -> None:
         """Checkpoint ``state`` if it holds uncommitted steps, then ack them (a clean stop)."""

@@ -2,7 +2,8 @@
 
 Order of events: make sure the warm-started tiny model exists (built and cached on first use);
 start NATS (unless one is named); start the registry, inference and trainer as child
-processes; drive one orchestrator per run (the demo runs, or a sweep's: services/up/sweep.py) in
+processes (a child that crashes is started again, with backoff: services/up/supervisor.py);
+drive one orchestrator per run (the demo runs, or a sweep's: services/up/sweep.py) in
 this process (services/up/drive.py); show one live row per run;
 when every run has trained all its steps (or on Ctrl-C), stop everything in reverse order and
 write a summary, a ``reward.png`` per run and ``summary.json`` (and for a sweep its table and
@@ -30,7 +31,7 @@ from services.telemetry.metrics import metrics_address, setup_metrics
 from services.up.compare import report_sweep
 from services.up.drive import drive_runs
 from services.up.settings import UpSettings, default_cache_dir
-from services.up.supervisor import ChildFailed, Supervisor
+from services.up.supervisor import ChildFailed, RestartPolicy, Supervisor
 from services.up.sweep import SweepRun
 from services.up.view import plot_rewards, summary_record, summary_table
 
@@ -84,7 +85,11 @@ async def run_up(
     else:
         console.print(f"nats:   {nats_url}")
 
-    sup = Supervisor(output_dir / "logs")
+    sup = Supervisor(
+        output_dir / "logs",
+        RestartPolicy(max_restarts=settings.max_restarts, window_s=settings.restart_window_s),
+        notify=lambda line: _notice(console, line),
+    )
     bus: Bus | None = None
     stop = stop_on_signals()
     ports = _child_metrics_ports()
@@ -129,11 +134,12 @@ async def run_up(
             title=f"plexrl up: sweep {name}" if name else "plexrl up",
             submitted_by="plexrl up",
             check=sup.check,
+            services=sup.status,
             early_stop=settings.sweep.early_stop if settings.sweep else None,
             release_finished=settings.sweep is not None,
         )
     except ChildFailed as exc:
-        console.print(f"[red]plexrl up stopped: {exc}[/]")
+        console.print(f"plexrl up stopped: {exc}", style="red", markup=False, highlight=False)
         return 1
     finally:
         stop.set()
@@ -158,8 +164,18 @@ async def run_up(
         for r, v in zip(driven.results, driven.views, strict=True)
     }
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    restarted = sup.status()
+    if restarted is not None:
+        _notice(console, restarted)
     console.print(f"metrics, plots and logs under {output_dir}")
     return driven.exit_code
+
+
+def _notice(console: Console, line: str) -> None:
+    """A line about the services, unwrapped (above the live table, or plain with --no-live)."""
+    console.print(
+        f"plexrl up: {line}", style="yellow", markup=False, highlight=False, soft_wrap=True
+    )
 
 
 async def _serve_gateway(

@@ -22,6 +22,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.live import Live
+from rich.table import Table
 
 from services.bus import Bus
 from services.up.halving import Halving, active_runs, request_evictions
@@ -56,10 +57,12 @@ async def drive_runs(
     title: str,
     submitted_by: str,
     check: Callable[[], None] = lambda: None,
+    services: Callable[[], str | None] = lambda: None,
     early_stop: EarlyStop | None = None,
     release_finished: bool = False,
 ) -> Driven:
-    """Start every run's orchestrator and watch them to the end; ``check`` raises to abort."""
+    """Start every run's orchestrator and watch them to the end; ``check`` raises to abort,
+    ``services`` says what happened to the services (the live table's caption)."""
     from services.orchestrator.run_loop import RunOrchestrator
 
     # A run of its own stop each, so that the driver ends the runs its early-stop rule evicts
@@ -114,7 +117,9 @@ async def drive_runs(
             stops[run_id].set()
 
     try:
-        results = await _watch(views, tasks, check, judge, console, live=live, title=title)
+        results = await _watch(
+            views, tasks, check, judge, console, live=live, title=title, services=services
+        )
     finally:
         forwarder.cancel()
         for t in tasks:
@@ -124,7 +129,7 @@ async def drive_runs(
 
 
 async def _watch(  # type: ignore[no-untyped-def]
-    views: list[RunView], tasks, check, judge, console: Console, *, live: bool, title: str
+    views: list[RunView], tasks, check, judge, console: Console, *, live: bool, title: str, services
 ):
     started = time.monotonic()
     printed = {v.run_id: 0 for v in views}
@@ -151,8 +156,12 @@ async def _watch(  # type: ignore[no-untyped-def]
         await judge()  # the last runs to finish free their indices too
 
     if live:
-        with Live(live_table(views, 0, title), console=console, refresh_per_second=4) as screen:
-            await loop(lambda: screen.update(live_table(views, time.monotonic() - started, title)))
+
+        def table() -> Table:
+            return live_table(views, time.monotonic() - started, title, caption=services())
+
+        with Live(table(), console=console, refresh_per_second=4) as screen:
+            await loop(lambda: screen.update(table()))
     else:
 
         def log_lines() -> None:

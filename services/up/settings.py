@@ -54,6 +54,16 @@ class UpSettings(BaseModel):
         None, description="where trainer and inference run (default: their own defaults)"
     )
     live: bool = Field(True, description="show the live table (off when stdout is not a terminal)")
+    max_restarts: int = Field(
+        5,
+        ge=0,
+        le=1000,
+        description="restarts of a crashed service within restart_window_s, with exponential "
+        "backoff from 1 s, before plexrl up gives up and stops everything (0: never restart)",
+    )
+    restart_window_s: float = Field(
+        600.0, gt=0, le=86_400, description="the window max_restarts counts crashes in"
+    )
     gateway: bool = Field(
         False,
         description="also start the HTTP gateway (Tinker and OpenAI APIs); then no demo runs "

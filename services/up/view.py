@@ -106,8 +106,17 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def live_table(runs: list[RunView], elapsed: float, title: str) -> Table:
-    table = Table(title=f"{title}  ({elapsed:.0f}s)", expand=False)
+def live_table(
+    runs: list[RunView], elapsed: float, title: str, caption: str | None = None
+) -> Table:
+    """One row per run; ``caption`` (below the rows) says what happened to the services."""
+    table = Table(
+        title=f"{title}  ({elapsed:.0f}s)",
+        expand=False,
+        caption=caption,
+        caption_justify="left",
+        caption_style="yellow",
+    )
     heads = ("run", "env", "step", "reward", "entropy", "zero-spread", "held-out", "lag")
     for col in (*heads, "tokens/s", "status"):
         table.add_column(col, justify="left" if col in ("run", "env", "status") else "right")

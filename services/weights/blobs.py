@@ -17,16 +17,19 @@ Three things differ from nats-py's ``ObjectStore.put``/``get``, for speed and fo
   :meth:`services.weights.stream.StreamDecoder.feed`), so a model is never in memory twice.
 - ``put`` there waits for each chunk's acknowledgement before sending the next, 128 KiB at a
   time. Here chunks are up to 1 MiB (never above the server's ``max_payload``) and up to
-  :data:`PUBLISH_WINDOW` of them are in flight at once; :func:`write_blob` also takes the
-  object as a sequence of pieces (a state dict's tensors, viewed as bytes), cut into chunks
-  as they go, so no copy of the whole object is made.
+  :data:`PUBLISH_WINDOW` of them are in flight at once (their acknowledgements read by
+  :class:`~services.bus.pipeline.AckPipeline`, so a refusal is an error at once rather than a
+  timeout); :func:`write_blob` also takes the object as a sequence of pieces (a state dict's
+  tensors, viewed as bytes), cut into chunks as they go, so no copy of the whole object is made.
 
 ``delete_blob`` purges an object's description as well as its chunks instead of leaving a
 tombstone, so a store that keeps only the last few adapters of each run stays bounded.
 
 Every function takes the store's name (``bucket``, default ``plexrl-weights``): a tenant's
 adapters live in a store of its own (:func:`schemas.subjects.weights_bucket`), created on first
-use with the process settings' ``stream_replicas``.
+use with the process settings' ``stream_replicas`` and ``tenant_weights_store_max_bytes``. A
+store that is full refuses the whole object: the chunks that landed are purged and
+:func:`write_blob` raises :class:`~services.bus.errors.StorageFull`.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ from nats.nuid import NUID
 
 from schemas.subjects import OBJECT_STORE_WEIGHTS
 from services.bus import Bus
+from services.bus.limits import storage_full
+from services.bus.pipeline import AckPipeline
 from services.config import process_settings
 
 BUCKET = OBJECT_STORE_WEIGHTS
@@ -169,14 +174,15 @@ async def write_blob(
     size = num_chunks = 0
     in_flight: deque[asyncio.Future[api.PubAck]] = deque()
     try:
-        for chunk in _rechunk(pieces, chunk_size):
-            if len(in_flight) >= PUBLISH_WINDOW:
+        async with AckPipeline(bus.nc) as pipeline:
+            for chunk in _rechunk(pieces, chunk_size):
+                if len(in_flight) >= PUBLISH_WINDOW:
+                    await asyncio.wait_for(in_flight.popleft(), ACK_TIMEOUT)
+                in_flight.append(await pipeline.publish(chunk_subject, chunk))
+                size += len(chunk)
+                num_chunks += 1
+            while in_flight:
                 await asyncio.wait_for(in_flight.popleft(), ACK_TIMEOUT)
-            in_flight.append(await bus.js.publish_async(chunk_subject, chunk))
-            size += len(chunk)
-            num_chunks += 1
-        while in_flight:
-            await asyncio.wait_for(in_flight.popleft(), ACK_TIMEOUT)
         digest = await hashing
         info = api.ObjectInfo(
             name=key,
@@ -206,6 +212,14 @@ async def write_blob(
         # is the one below.
         with contextlib.suppress(TimeoutError, nats.errors.Error):
             await bus.js.purge_stream(_stream(bucket), subject=chunk_subject)
+        full = storage_full(
+            exc,
+            where=f"object store {bucket}",
+            setting=_size_setting(bucket),
+            what=f"object {key!r} ({sum(memoryview(p).nbytes for p in pieces)} bytes)",
+        )
+        if full is not None:
+            raise full from exc
         raise BlobError(
             f"could not store {key!r} in object store {bucket!r} (failed after {size} bytes): "
             f"{type(exc).__name__}: {exc}"
@@ -378,8 +392,15 @@ async def _bucket(bus: Bus, name: str = BUCKET) -> _Bucket:
             store = await bus.js.object_store(name)
         except (BucketNotFoundError, NotFoundError):
             # nats-py 2.x: passing a config that names the bucket fails; the name alone works.
-            replicas = process_settings().stream_replicas
-            store = await bus.js.create_object_store(name, replicas=replicas)
+            settings = process_settings()
+            limit = (
+                settings.weights_store_max_bytes
+                if name == BUCKET
+                else settings.tenant_weights_store_max_bytes
+            )
+            store = await bus.js.create_object_store(
+                name, replicas=settings.stream_replicas, max_bytes=int(limit) or -1
+            )
         stream = await bus.js.stream_info(_stream(name))
         bucket = _Bucket(name, store, bool(stream.config.allow_direct))
         known[name] = bucket
@@ -412,6 +433,11 @@ def _valid_key(key: str) -> str:
             f"illegal object key {key!r}: use letters, digits and '-', '/', '_', '=', '.'"
         )
     return key
+
+
+def _size_setting(bucket: str) -> str:
+    """The process setting of ``bucket``'s byte limit."""
+    return "weights_store_max_bytes" if bucket == BUCKET else "tenant_weights_store_max_bytes"
 
 
 def _stream(bucket: str) -> str:

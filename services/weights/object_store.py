@@ -4,7 +4,8 @@ for a run of tenant ``t``, in that tenant's own store ``plexrl-weights-<t>``.
 The trainer writes the stream under ``<run_id>/step_<n>`` (the location) chunk by chunk from the
 tensors' own memory (:func:`~services.weights.blobs.write_blob`), never assembled in one buffer;
 old versions are deleted, and a restarted trainer finds the versions an earlier one left by
-listing the store; a write that fails on the way (the server restarting) is retried with backoff.
+listing the store; a write that fails on the way (the server restarting) is retried with backoff,
+and one refused because the store is full waits until there is room.
 A replica streams the chunks into a :class:`~services.weights.stream.StreamDecoder` as they
 arrive (an adapter is usually one chunk, one direct get), after checking that the object is the
 one announced.
@@ -25,6 +26,7 @@ from schemas.events import WeightsReady
 from schemas.subjects import weights_bucket, weights_object_key
 from schemas.tenant import DEFAULT_TENANT
 from services.bus import Bus
+from services.bus.limits import wait_while_full
 from services.bus.retry import with_backoff
 from services.weights.blobs import BlobError, delete_blob, list_keys, stream_blob, write_blob
 from services.weights.errors import WeightsError
@@ -77,15 +79,20 @@ class ObjectStoreSender:
             )
 
         # A server restarting (or a cluster electing a leader) fails the writes for a few
-        # seconds; writing the key again replaces whatever part of it landed.
-        return await with_backoff(
-            store,
-            attempts=SEND_ATTEMPTS,
-            first_delay=0.1,
-            max_delay=2.0,
-            retry_on=(BlobError, nats.errors.Error),
+        # seconds; writing the key again replaces whatever part of it landed. A full store
+        # pauses the trainer until there is room: dropping the version would lose the step.
+        return await wait_while_full(
+            lambda: with_backoff(
+                store,
+                attempts=SEND_ATTEMPTS,
+                first_delay=0.1,
+                max_delay=2.0,
+                retry_on=(BlobError, nats.errors.Error),
+                give_up=lambda: self.bus.nc.is_closed,
+                on_retry=retrying,
+            ),
+            what=f"{run_id} step {step}: storing the weights",
             give_up=lambda: self.bus.nc.is_closed,
-            on_retry=retrying,
         )
 
     async def stored(self, run_id: str, *, tenant: str = DEFAULT_TENANT) -> set[int]:

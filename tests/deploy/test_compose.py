@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -169,11 +170,50 @@ def test_orchestrators_start_after_the_services_they_talk_to(compose: dict[str, 
     for env in DEMO_ENVS:
         depends = compose["services"][f"orchestrator-{env}"]["depends_on"]
         for svc in ("registry", "trainer", "inference"):
-            assert depends[svc] == {"condition": "service_started"}, (env, svc)
+            assert depends[svc] == {"condition": "service_healthy"}, (env, svc)
     assert compose["services"]["trainer"]["depends_on"]["registry"] == {
-        "condition": "service_started"
+        "condition": "service_healthy"
     }
     assert compose["services"]["orchestrator"]["profiles"] == ["adhoc"]
+
+
+def test_every_plexrl_service_is_checked_with_plexrl_health(compose: dict[str, Any]) -> None:
+    """The check names the service as it registers itself: its PLEXRL_SERVICE, else the
+    command's name (tests/deploy/test_health_command.py runs the check against a real one)."""
+    for name, (command, svc) in plexrl_services(compose).items():
+        check = svc.get("healthcheck")
+        assert check is not None, f"{name} has no healthcheck"
+        service = svc["environment"].get("PLEXRL_SERVICE", command)
+        assert check["test"] == ["CMD", "plexrl", "health", service], name
+        interval, timeout = _seconds(check["interval"]), _seconds(check["timeout"])
+        assert 0 < timeout < interval, name
+        assert _seconds(check["start_period"]) >= 60, name  # torch's import and the connect
+        assert check["retries"] >= 3, name
+    assert "healthcheck" not in compose["services"][ONE_SHOT]
+    # a service another waits for must be able to become healthy
+    for name, svc in compose["services"].items():
+        for dep, cond in (svc.get("depends_on") or {}).items():
+            if cond["condition"] == "service_healthy":
+                assert "healthcheck" in compose["services"][dep], (name, dep)
+
+
+def test_every_service_has_a_restart_policy(compose: dict[str, Any]) -> None:
+    policies = {name: svc.get("restart") for name, svc in compose["services"].items()}
+    assert policies.pop(ONE_SHOT) == "no"
+    assert policies.pop("orchestrator") == "no"  # `compose run --rm`: the caller decides
+    for env in DEMO_ENVS:
+        # a finished run exits 0 and stays down; a crashed one resumes from its checkpoint
+        assert re.fullmatch(r"on-failure:\d+", policies.pop(f"orchestrator-{env}")), env
+    assert set(policies.values()) == {"unless-stopped"}, policies
+    assert set(policies) == {"nats", "jaeger", "registry", "trainer", "inference", "gateway"}
+
+
+def _seconds(duration: str) -> float:
+    """A Compose duration such as ``30s``, ``1m30s`` or ``500ms``, in seconds."""
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001, "us": 1e-6}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|us|h|m|s)", duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, duration
+    return sum(float(n) * units[u] for n, u in parts)
 
 
 def test_one_orchestrator_per_demo_run_with_its_config(compose: dict[str, Any]) -> None:

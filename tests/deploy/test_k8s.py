@@ -343,3 +343,44 @@ def test_nats_cluster_routes_name_every_server(docs: list[tuple[str, dict[str, A
     assert mounts[claim["metadata"]["name"]] == "/data"
     assert "store_dir: /data" in conf
     assert "sync_interval: always" in conf
+
+
+def test_every_plexrl_container_is_probed_with_plexrl_health(
+    docs: list[tuple[str, dict[str, Any]]],
+) -> None:
+    """Startup, readiness and liveness probes run ``plexrl health <service>`` (the gateway's
+    readiness is its HTTP /healthz, since a Service routes clients to it)."""
+    for workload, command, container in _plexrl_containers(docs):
+        env = _container_env(docs, container)
+        check = ["plexrl", "health", env.get("PLEXRL_SERVICE", command)]
+        kinds = ("startupProbe", "livenessProbe", "readinessProbe")
+        probes = {kind: container.get(kind) for kind in kinds}
+        assert all(probes.values()), f"{workload} lacks a probe: {probes}"
+        for kind, probe in probes.items():
+            if kind == "readinessProbe" and command == "gateway":
+                assert probe["httpGet"] == {"path": "/healthz", "port": "http"}
+                continue
+            assert probe["exec"]["command"] == check, (workload, kind)
+            # the check waits up to 3 s for the answer, after starting Python and connecting
+            assert probe["timeoutSeconds"] >= 10, (workload, kind)
+        liveness, startup = probes["livenessProbe"], probes["startupProbe"]
+        assert "initialDelaySeconds" not in liveness, workload  # the startup probe waits
+        patience = startup["periodSeconds"] * startup["failureThreshold"]
+        assert patience >= 180, workload
+        assert liveness["periodSeconds"] * liveness["failureThreshold"] >= 60, workload
+
+
+def test_k8s_probes_run_the_compose_health_checks(
+    docs: list[tuple[str, dict[str, Any]]],
+) -> None:
+    compose = yaml.safe_load((K8S.parent / "local.yml").read_text(encoding="utf-8"))
+    by_command = {}
+    for svc in compose["services"].values():
+        argv = list(svc.get("entrypoint") or ["plexrl"]) + list(svc.get("command") or [])
+        test = (svc.get("healthcheck") or {}).get("test")
+        if argv[0] == "plexrl" and test:
+            by_command[argv[1]] = test
+    for workload, command, container in _plexrl_containers(docs):
+        assert by_command[command] == ["CMD", *container["livenessProbe"]["exec"]["command"]], (
+            workload
+        )

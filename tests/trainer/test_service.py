@@ -84,6 +84,9 @@ async def test_runs_train_in_step_order_commit_and_skip_redeliveries(cluster, ow
     assert [r["step"] for r in read_step_log(cluster.out, "run_a")] == [0, 1]
     info = await bus.js.consumer_info(ROLLOUTS_STREAM, "trainer")
     assert info.num_ack_pending == 1
+    # the committed batch of step 0 (below every consumer's ack floor) left the stream; step 2's,
+    # trained but not yet committed, stays for a restart to train again
+    await eventually(lambda: _rollouts_left(bus, "run_a", [1, 2]))
 
     # a batch of a trained step arriving again (republished outside the dedupe window) is
     # acked and skipped: nothing is trained twice
@@ -189,6 +192,11 @@ async def test_a_batch_ahead_of_its_run_discovery_is_trained_once_it_is_known(cl
     await eventually(lambda: _has_step(bus, "run_late", 1))
     [record] = read_step_log(cluster.out, "run_late")
     assert record["step"] == 0 and record["delivered"] >= 2
+
+
+async def _rollouts_left(bus, run_id: str, steps: list[int]) -> bool:
+    left = await stream_events(bus, ROLLOUTS_STREAM, f"plexrl.rollouts.{run_id}", RolloutBatch)
+    return sorted(b.step for b in left) == steps
 
 
 async def _has_step(bus, run_id: str, step: int) -> bool:
