@@ -1,6 +1,6 @@
 """What the fuzz tests throw at the services: garbage bytes, random JSON and MessagePack
 documents, valid events mutated a few steps at a time, payloads nested too deeply to decode,
-each with a content type, on a subject a service consumes.
+each with a content type and trace headers, on a subject a service consumes.
 
 Every strategy is plain Hypothesis, so a failing payload shrinks to a small one; the oracle that
 says whether a payload is an event at all is the codec the services use (:func:`decodes`).
@@ -47,14 +47,25 @@ class Wire:
     subject: str
     data: bytes
     content_type: str | None = JSON
+    trace: tuple[tuple[str, str], ...] = ()
+    """trace headers (``traceparent``...), garbage more often than not"""
 
     @property
     def headers(self) -> dict[str, str] | None:
-        return None if self.content_type is None else {"Content-Type": self.content_type}
+        headers = dict(self.trace)
+        if self.content_type is not None:
+            headers["Content-Type"] = self.content_type
+        return headers or None
 
-    @property
-    def is_msgpack(self) -> bool:
-        return self.content_type is not None and "msgpack" in self.content_type
+
+@dataclass(frozen=True)
+class Thrown:
+    """A payload meant for one of a service's decoders (``target``); a request is sent without
+    a reply subject when ``with_reply`` is False."""
+
+    target: str
+    wire: Wire
+    with_reply: bool = True
 
 
 def decodes(wire: Wire, event_type: Any) -> Any | None:
@@ -82,7 +93,7 @@ UINT64_MAX = 2**64 - 1
 
 # Values at the edges of what the schemas allow: bounds, types msgspec tells apart, strings
 # that look like run ids but are not.
-_EDGE = [
+_EDGE: list[Any] = [
     None,
     True,
     False,
@@ -368,32 +379,47 @@ tokens = st.text(_TOKEN_CHARS, min_size=1, max_size=12) | st.sampled_from(
 """Subject tokens: legal run ids and tenant names, and tokens that are neither."""
 
 
-def subjects(prefix: str, fixed: list[str], suffix: str = "") -> st.SearchStrategy[str]:
-    """One of the ``fixed`` subjects, or ``prefix`` + one to three random tokens + ``suffix``."""
-    random = st.lists(tokens, min_size=1, max_size=3).map(
-        lambda parts: prefix + ".".join(parts) + suffix
-    )
-    return st.sampled_from(fixed) | random
+_header_values = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=80)
+_trace_headers = st.lists(
+    st.tuples(st.sampled_from(["traceparent", "tracestate", "baggage"]), _header_values),
+    max_size=3,
+    unique_by=lambda kv: kv[0],
+).map(tuple) | st.just(
+    (("traceparent", "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"),)  # a valid one
+)
 
 
 def wires(subject: st.SearchStrategy[str], valid: msgspec.Struct) -> st.SearchStrategy[Wire]:
-    return st.builds(lambda s, p: Wire(s, p[0], p[1]), subject, payloads(valid))
+    """Payloads around ``valid`` (see :func:`payloads`) on ``subject``, with trace headers."""
+    return st.builds(
+        lambda s, p, t: Wire(s, p[0], p[1], t), subject, payloads(valid), _trace_headers
+    )
+
+
+def tenant_ok(subject: str) -> bool:
+    """Whether ``subject`` names a tenant, as a service reads it from a request's subject."""
+    try:
+        sj.tenant_of_subject(subject)
+    except ValueError:
+        return False
+    return True
 
 
 # --- lifecycle events, as a run mirror sees them -------------------------------------------
 
 MIRRORED = RunDiscovered | RunEvicted | RunForgotten
-LIFECYCLE_SUBJECTS = [
-    sj.runs_subject(k, t) for k in sj.LIFECYCLE_KINDS for t in ("default", "acme")
+MIRRORED_SUBJECTS = [
+    sj.runs_subject(kind, tenant)
+    for kind in ("discovered", "evicted", "forgotten")
+    for tenant in ("default", "acme")
 ]
+"""What a run mirror decodes (it skips ``plexrl.runs[.<tenant>].invalid``, the orchestrators')."""
 
 
 def mirror_rejects(wire: Wire) -> bool:
     """Whether a run mirror (trainer, inference) must skip and report ``wire``: no lifecycle
     event, one whose tenant is not its subject's, or a RunDiscovered whose config no run can
-    use. (``plexrl.runs.invalid`` is not the mirror's to decode.)"""
-    if wire.subject.endswith(".invalid"):
-        return False
+    use."""
     event = decodes(wire, MIRRORED)
     if event is None or event.tenant != sj.tenant_of_subject(wire.subject):
         return True
@@ -408,7 +434,7 @@ def mirror_rejects(wire: Wire) -> bool:
 def lifecycle_rejects(run_id: str, config: dict[str, Any]) -> st.SearchStrategy[Wire]:
     """Lifecycle payloads about ``run_id`` that a run mirror must reject. Only those: a valid
     event is the registry's word, and fuzzing it would move the service's runs around."""
-    subject = st.sampled_from(LIFECYCLE_SUBJECTS)
+    subject = st.sampled_from(MIRRORED_SUBJECTS)
     return st.one_of(
         wires(subject, RunDiscovered(run_id=run_id, idx=1, config=config)),
         wires(subject, RunEvicted(run_id=run_id, idx=1, reason="fuzz")),

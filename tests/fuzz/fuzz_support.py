@@ -12,9 +12,10 @@ from typing import Any, TypeVar
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 
+from schemas.codec import decode
 from schemas.events import InvalidMessage, ServiceError
 from schemas.subjects import ERRORS_STREAM, errors_subject
-from services.bus import Bus, Follower, MessageMeta
+from services.bus import Bus, Consumer, Follower, MessageMeta
 from services.bus.bus import LEADING_BYTES
 
 from .fuzz_payloads import Wire
@@ -34,7 +35,6 @@ class Reports:
 
     def __init__(self, bus: Bus, service: str) -> None:
         self.invalid: Counter[Key] = Counter()
-        self.errors: list[str] = []
         self._follower: Follower[InvalidMessage | ServiceError] = Follower(
             bus, ERRORS_STREAM, errors_subject(service), InvalidMessage | ServiceError, self._on
         )
@@ -42,7 +42,6 @@ class Reports:
     def _on(self, seq: int, event: InvalidMessage | ServiceError, meta: MessageMeta) -> None:
         if isinstance(event, InvalidMessage):
             self.invalid[(event.subject, event.leading_bytes)] += 1
-            self.errors.append(event.error)
 
     async def start(self) -> Reports:
         await self._follower.start()
@@ -98,15 +97,15 @@ async def request(bus: Bus, wire: Wire, timeout: float = 10.0) -> Msg:
         raise AssertionError(f"no answer within {timeout}s to {wire}") from None
 
 
-async def settled(bus: Bus, stream: str, durable: str) -> bool:
-    """Whether the durable consumer has every message of its filter delivered and settled
-    (acknowledged or terminated): nothing waits, nothing is held or due for redelivery."""
-    info = await bus.js.consumer_info(stream, durable)
+async def settled(consumer: Consumer[Any]) -> bool:
+    """Whether a service's durable consumer has every message of its filter delivered and
+    settled (acknowledged or terminated): nothing waits, nothing is held or due for
+    redelivery."""
+    assert consumer.durable is not None
+    info = await consumer.bus.js.consumer_info(consumer.stream, consumer.durable)
     return info.num_pending == 0 and info.num_ack_pending == 0
 
 
 def reply_of(msg: Msg, event_type: Any) -> Any:
     """The typed reply in ``msg`` (JSON or MessagePack, as its Content-Type says)."""
-    from schemas.codec import decode
-
     return decode(msg.data, event_type, (msg.headers or {}).get("Content-Type"))

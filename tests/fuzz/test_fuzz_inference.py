@@ -31,7 +31,7 @@ from services.inference.requests import RequestFailed, check_request
 from services.inference.service import InferenceService
 from services.inference.torch_engine import TorchEngine
 
-from .fuzz_payloads import Wire, decodes, fuzz, lifecycle_rejects, tokens, wires
+from .fuzz_payloads import Thrown, Wire, decodes, fuzz, lifecycle_rejects, tenant_ok, tokens, wires
 from .fuzz_support import Reports, eventually, publish, reply_of, request
 
 LIVE, NOBODY, CYCLING = "run_live", "run_nobody", "run_cyc"
@@ -65,13 +65,6 @@ ANNOUNCEMENTS = wires(
 LIFECYCLE = lifecycle_rejects(NOBODY, LORA)
 
 
-@dataclass(frozen=True)
-class Thrown:
-    target: str
-    wire: Wire
-    with_reply: bool = True
-
-
 THROWN = st.one_of(
     st.builds(Thrown, st.just("generate"), REQUESTS, st.booleans()),
     st.builds(Thrown, st.just("weights"), ANNOUNCEMENTS),
@@ -79,19 +72,11 @@ THROWN = st.one_of(
 )
 
 
-def _tenant_ok(subject: str) -> bool:
-    try:
-        sj.tenant_of_subject(subject)
-    except ValueError:
-        return False
-    return True
-
-
 def _bad_request(wire: Wire, engine: TorchEngine) -> bool:
     """A request the replica must answer with an error and report: on a subject with no usable
     tenant, no GenerateRequest, or one this model cannot serve."""
     req = decodes(wire, GenerateRequest)
-    if req is None or not _tenant_ok(wire.subject):
+    if req is None or not tenant_ok(wire.subject):
         return True
     try:
         check_request(req, engine.vocab_size, engine.max_model_len)

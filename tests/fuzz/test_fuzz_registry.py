@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import pytest
@@ -21,7 +22,7 @@ from services.bus.last import last_message
 from services.registry.listing import BAD_REQUEST
 from services.registry.service import Registry
 
-from .fuzz_payloads import Wire, decodes, fuzz, tokens, wires
+from .fuzz_payloads import Wire, decodes, fuzz, tenant_ok, tokens, wires
 from .fuzz_support import Reports, eventually, publish, reply_of, request, settled
 
 CONFIG: dict[str, Any] = {"env": "reverse", "max_steps": 5, "model": {"lora": {"rank": 2}}}
@@ -34,19 +35,11 @@ def _one_token(pattern: str, fixed: list[str]) -> st.SearchStrategy[str]:
     return st.sampled_from(fixed) | tokens.map(pattern.format)
 
 
-def _tenant_ok(subject: str) -> bool:
-    try:
-        sj.tenant_of_subject(subject)
-    except ValueError:
-        return False
-    return True
-
-
 def _bad_request(wire: Wire) -> bool:
     """A submit or evict the registry must terminate and report: no such event, or a subject
     with no usable tenant."""
     event_type = RunSubmitted if wire.subject.endswith(".submit") else EvictRequested
-    return decodes(wire, event_type) is None or not _tenant_ok(wire.subject)
+    return decodes(wire, event_type) is None or not tenant_ok(wire.subject)
 
 
 requests = st.one_of(
@@ -103,16 +96,14 @@ async def test_bad_submits_and_evictions_are_terminated_and_reported(
     await eventually(lambda: _has(registry, previous, "evicted"), f"{previous} evicted")
     await eventually(lambda: _refused_for_acme(fbus, fence), "the tenant's submit answered")
     for consumer in registry._consumers:
-        assert consumer.durable is not None
         await eventually(
-            lambda c=consumer: settled(fbus, c.stream, c.durable),
-            f"every message on {consumer.filter_subject} settled",
+            partial(settled, consumer), f"every message on {consumer.filter_subject} settled"
         )
     await reports.expect(since, [w for w in batch if _bad_request(w)])
 
 
 def _bad_list_request(wire: Wire) -> bool:
-    if not _tenant_ok(wire.subject):
+    if not tenant_ok(wire.subject):
         return True
     return bool(wire.data.strip()) and decodes(wire, RunListRequest) is None
 

@@ -12,6 +12,7 @@ import asyncio
 import itertools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from schemas import subjects as sj
-from schemas.events import (
-    EvictRequested,
-    RolloutBatch,
-    RunSubmitted,
-    Sample,
-    ServiceError,
-)
+from schemas.events import EvictRequested, RolloutBatch, RunSubmitted, Sample, ServiceError
 from schemas.training import (
     TRAIN_COMMANDS,
     Datum,
@@ -44,7 +39,7 @@ from services.registry.service import Registry
 from services.trainer.service import Trainer, build_model
 from services.trainer.settings import TrainerSettings
 
-from .fuzz_payloads import Wire, decodes, fuzz, lifecycle_rejects, tokens, wires
+from .fuzz_payloads import Thrown, Wire, decodes, fuzz, lifecycle_rejects, tokens, wires
 from .fuzz_support import Reports, eventually, publish, reply_of, request, settled
 
 LIVE, COMMANDS, GONE, CYCLING, NOBODY = "run_live", "run_cmd", "run_gone", "run_cyc", "run_nobody"
@@ -104,26 +99,24 @@ _REQUESTS: dict[str, Any] = {
 _TRAIN_SUBJECTS = st.lists(tokens, min_size=1, max_size=2).map(
     lambda t: "plexrl.train." + ".".join(t)
 )
-COMMANDS_THROWN = st.one_of(
-    *(
-        wires(
-            st.sampled_from([train_subject(kind), train_subject(kind, "acme")])
-            | _TRAIN_SUBJECTS
-            | tokens.map(lambda t, k=kind: f"plexrl.train.{t}.{k}"),
-            request,
-        )
-        for kind, request in _REQUESTS.items()
+
+
+def _train_subjects(kind: str) -> st.SearchStrategy[str]:
+    """The command's subjects, its subject under any tenant token, and any ``plexrl.train``
+    subject at all."""
+    tenant_token = tokens.map(lambda t: f"plexrl.train.{t}.{kind}")
+    return (
+        st.sampled_from([train_subject(kind), train_subject(kind, "acme")])
+        | tenant_token
+        | _TRAIN_SUBJECTS
     )
+
+
+COMMANDS_THROWN = st.one_of(
+    *(wires(_train_subjects(kind), request) for kind, request in _REQUESTS.items())
 )
 
 LIFECYCLE_THROWN = lifecycle_rejects(NOBODY, {})
-
-
-@dataclass(frozen=True)
-class Thrown:
-    target: str
-    wire: Wire
-    with_reply: bool = True
 
 
 THROWN = st.one_of(
@@ -170,7 +163,6 @@ class Cluster:
 async def cluster(
     server: EmbeddedNats, make_registry: Any, fbus: Bus, out: Path, fuzz_model: Path
 ) -> AsyncIterator[Cluster]:
-    torch.set_num_threads(1)
     registry: Registry = await make_registry(max_runs=3)
     settings = TrainerSettings(
         model=fuzz_model,
@@ -273,9 +265,6 @@ async def test_bad_rollouts_commands_and_lifecycle_events_are_rejected_and_repor
 
     await eventually(lambda: _trained(c, step), f"{LIVE} step {step} trained and committed")
     await eventually(lambda: _known(c, cycling), f"{cycling} created in the trainer")
-    consumer = c.trainer.intake.consumer if c.trainer.intake else None
-    assert consumer is not None and consumer.durable is not None
-    await eventually(
-        lambda: settled(bus, consumer.stream, consumer.durable), "every rollout message settled"
-    )
+    assert c.trainer.intake is not None
+    await eventually(partial(settled, c.trainer.intake.consumer), "every rollout message settled")
     await c.reports.expect(since, [t.wire for t in batch if _is_bad(t)])
