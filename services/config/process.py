@@ -58,6 +58,12 @@ class ProcessSettings(BaseModel):
         description=f"PLEXRL_ROLLOUTS (batches not yet trained, and the newest of each run): "
         f"{_BYTES}; when full, orchestrators wait",
     )
+    rollouts_keep_history: bool = Field(
+        False,
+        description="keep trained rollout batches in PLEXRL_ROLLOUTS (an audit trail, or to "
+        "compare inference and trainer afterwards) instead of purging them after each "
+        "checkpoint; its byte and age limits then bound the history",
+    )
     rollouts_max_age_s: float = Field(
         7 * DAY_S,
         ge=0,

@@ -16,7 +16,8 @@ The order makes a crash at any point neither skip nor repeat a step:
    batches of the steps that must be trained again; those the checkpoint holds are acked and
    skipped by the intake. With ``ckpt.interval = 1`` nothing is ever retrained. The run's
    batches stored before the newest acked one, and below every consumer's ack floor, are then
-   purged from the stream (the newest stays: a restarted orchestrator resumes after it), so the
+   purged from the stream (the newest stays: a restarted orchestrator resumes after it; not with
+   ``PLEXRL_ROLLOUTS_KEEP_HISTORY``), so the
    stream holds the backlog, not the history.
 
 Between checkpoints (interval > 1) WeightsReady and progress are still published after every
@@ -45,6 +46,7 @@ from opentelemetry import trace
 from schemas.subjects import ROLLOUTS_STREAM
 from services.bus import Bus, Delivery
 from services.bus.limits import purge_consumed
+from services.config.process import process_settings
 from services.launch.faults import crash_point
 from services.runs.mirror import RunMirror
 from services.runs.progress import write_progress
@@ -91,6 +93,7 @@ class Committer:
         self.base_model_path = base_model_path
         self._tracer = trace.get_tracer("plexrl.trainer")
         self._trained: dict[str, list[_Trained]] = {}
+        self._keep_history = process_settings().rollouts_keep_history
 
     # --- after a step ----------------------------------------------------------------------------
 
@@ -202,7 +205,7 @@ class Committer:
                 await delivery.ack()
                 if newest is None or delivery.stream_sequence > newest.stream_sequence:
                     newest = delivery
-        if newest is not None:
+        if newest is not None and not self._keep_history:
             # The run's batches before the newest committed one will never be read again:
             # freeing them lets PLEXRL_ROLLOUTS_MAX_BYTES bound the backlog, not the history.
             # Only what every consumer acknowledged goes (a batch trained out of order may still

@@ -1,7 +1,7 @@
 """Inference and trainer agree on the policy, through the real services.
 
-``plexrl up`` trains one run sampled at temperature 0.7. Afterwards the rollouts stream holds
-every RolloutBatch with the log-probabilities inference reported for each completion token;
+``plexrl up`` trains one run sampled at temperature 0.7, keeping its trained batches
+(``PLEXRL_ROLLOUTS_KEEP_HISTORY``). Afterwards the rollouts stream holds every RolloutBatch with the log-probabilities inference reported for each completion token;
 for the batches sampled from policy version 0 (the base model: a fresh adapter has B = 0), the
 trainer's forward of the same tokens at the same temperature gives the same numbers to 1e-4.
 And every step the trainer trained at lag 0 has an importance ratio of 1 (within 1e-3): the
@@ -57,7 +57,15 @@ def test_inference_logprobs_equal_the_trainers_forward(tmp_path: Path) -> None:
             }
         )
     )
-    up = run_up_one_run(tmp_path / "out", "--model", str(model_dir), "--config", str(config))
+    # the trainer keeps the batches it trained, for this comparison (it purges them by default)
+    up = run_up_one_run(
+        tmp_path / "out",
+        "--model",
+        str(model_dir),
+        "--config",
+        str(config),
+        env={"PLEXRL_ROLLOUTS_KEEP_HISTORY": "1"},
+    )
     lag0 = [t for t in up.trained if t["batch_policy_version"] == t["step"]]
     assert lag0, up.trained
     for t in lag0:

@@ -33,11 +33,14 @@ def plexrl(*args: str) -> list[str]:
     return [sys.executable, "-m", "services", *args]
 
 
-def run_up(out: Path, *args: str, timeout: float = 240.0) -> subprocess.CompletedProcess[str]:
-    """``plexrl up ARGS --output-dir OUT --no-live`` in a clean environment, asserted to exit 0."""
+def run_up(
+    out: Path, *args: str, timeout: float = 240.0, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``plexrl up ARGS --output-dir OUT --no-live`` in a clean environment (plus ``env``),
+    asserted to exit 0."""
     up = subprocess.run(
         plexrl("up", *args, "--output-dir", str(out), "--no-live"),
-        env=clean_env(),
+        env=clean_env() | (env or {}),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -46,10 +49,12 @@ def run_up(out: Path, *args: str, timeout: float = 240.0) -> subprocess.Complete
     return up
 
 
-def run_up_one_run(out: Path, *args: str, timeout: float = 240.0) -> UpResult:
+def run_up_one_run(
+    out: Path, *args: str, timeout: float = 240.0, env: dict[str, str] | None = None
+) -> UpResult:
     """``plexrl up --runs 1 ARGS --output-dir OUT --no-live``, asserted to exit 0, with a clean
-    environment (no PLEXRL_ or OTEL_ variables of the caller)."""
-    run_up(out, "--runs", "1", *args, timeout=timeout)
+    environment (no PLEXRL_ or OTEL_ variables of the caller) plus ``env``."""
+    run_up(out, "--runs", "1", *args, timeout=timeout, env=env)
     (run_dir,) = [p for p in out.iterdir() if (p / "metrics.jsonl").exists()]
     return UpResult(
         out, run_dir, _lines(run_dir / "metrics.jsonl"), _lines(run_dir / "trainer_steps.jsonl")
