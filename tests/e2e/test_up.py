@@ -105,7 +105,12 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Scenario:
                 capture_output=True, text=True, timeout=60,
             )  # fmt: skip
             assert evict.returncode == 0, evict.stdout + evict.stderr
-            up_out, _ = up.communicate(timeout=600)
+            try:
+                up_out, _ = up.communicate(timeout=600)
+            except subprocess.TimeoutExpired:
+                up.kill()
+                up_out, _ = up.communicate()
+                raise AssertionError(_stuck_report(out, up_out)) from None
         finally:
             if up.poll() is None:
                 up.kill()
@@ -113,6 +118,18 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Scenario:
     return Scenario(
         out, up.returncode, up_out, join.returncode, join.stdout + join.stderr, evicted_at
     )
+
+
+def _stuck_report(out: Path, up_out: str) -> str:
+    """What a ``plexrl up`` that did not finish had done: step counts, its output, log tails."""
+    lines = ["plexrl up did not finish within 600 s"]
+    for run in sorted(out.glob("run_*")):
+        lines.append(f"{run.name}: {len(_metrics(out, run.name))} steps sampled, "
+                     f"{len(_trained(out, run.name))} trained")  # fmt: skip
+    lines += ["--- plexrl up output (last 40 lines) ---", *up_out.splitlines()[-40:]]
+    for log in sorted((out / "logs").glob("*.log")):
+        lines += [f"--- {log.name} (last 15 lines) ---", *log.read_text().splitlines()[-15:]]
+    return "\n".join(lines)
 
 
 def _window(values: list[float], fraction: float = 0.2) -> tuple[float, float]:
