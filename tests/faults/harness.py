@@ -26,6 +26,7 @@ from services.bus import Bus, EmbeddedNats
 from services.runs.progress import read_progress
 from services.trainer.checkpoint import complete_checkpoints
 
+from .cluster import NatsCluster
 from .procs import Proc, clean_env
 
 MAX_LORA_RANK = 4
@@ -60,7 +61,7 @@ class Fault:
     """SIGKILL ``target`` once ``run`` has ``at_step`` steps ``trigger`` (or, with ``after`` set,
     that many seconds after the previous fault), then start it again ``restart_after`` seconds
     later. Targets: ``trainer``, ``registry``, ``inference-<i>``, ``orchestrator-<run_id>``,
-    ``nats``."""
+    ``nats`` (every server), ``nats-<i>`` (one node of a :class:`~.cluster.NatsCluster`)."""
 
     target: str
     run: str = ""
@@ -99,13 +100,19 @@ class System:
         *,
         replicas: int = 1,
         trainer_env: dict[str, str] | None = None,
+        cluster: int = 0,
     ) -> None:
         self.root = root
         self.out = root / "out"
         self.logs = root / "logs"
         self.model = model
         self.runs = runs
-        self.nats = EmbeddedNats(store_dir=root / "nats")
+        self.cluster = NatsCluster(root / "nats", cluster) if cluster else None
+        """with ``cluster`` servers, a JetStream cluster whose streams have that many replicas"""
+        self.nats: EmbeddedNats | NatsCluster = self.cluster or EmbeddedNats(
+            store_dir=root / "nats"
+        )
+        self.env = {"PLEXRL_STREAM_REPLICAS": str(cluster)} if cluster else {}
         self.procs: dict[str, Proc] = {}
         self.replicas = replicas
         self.trainer_env = trainer_env or {}
@@ -126,7 +133,8 @@ class System:
 
     def _proc(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
         common = ["--nats-url", self.nats.url]
-        proc = Proc(name, [*argv, *common], self.logs / f"{name}.log", clean_env() | (env or {}))
+        env = clean_env() | self.env | (env or {})
+        proc = Proc(name, [*argv, *common], self.logs / f"{name}.log", env)
         self.procs[name] = proc
         proc.start()
         return proc
@@ -135,6 +143,8 @@ class System:
         self.out.mkdir(parents=True)
         self.logs.mkdir(parents=True)
         self.nats.start()
+        if self.cluster is not None:
+            await self.cluster.wait_ready(len(self.cluster.nodes))
         sizes = ["--max-runs", str(len(self.runs)), "--max-lora-rank", str(MAX_LORA_RANK)]
         worker = ["--model", str(self.model), "--output-dir", str(self.out), "--threads", "1"]
         self._proc("registry", ["registry", "--output-dir", str(self.out), *sizes])
@@ -208,6 +218,8 @@ class System:
         elif fault.target == "nats":
             self._at_nats_kill = {r: await self.step_of(r, "trained") for r in self.runs}
             self.nats.kill()
+        elif self.cluster is not None and fault.target.startswith("nats-"):
+            self._node(fault.target).kill()
         else:
             self.procs[fault.target].kill()
         timer = self._timing.get(fault.target)
@@ -226,6 +238,8 @@ class System:
         if fault.target == "nats":
             # the same store and port: what a supervisor restarting the server does
             self.nats.start()
+        elif self.cluster is not None and fault.target.startswith("nats-"):
+            self._node(fault.target).start()
         else:
             self.procs[fault.target].start()
         fault.restarted_at = time.monotonic()
@@ -359,7 +373,13 @@ class System:
     def _alive(self, target: str) -> bool:
         if target == "nats":
             return self.nats.proc is not None
+        if self.cluster is not None and target.startswith("nats-"):
+            return self._node(target).proc is not None
         return self.procs[target].exited() is None
+
+    def _node(self, target: str) -> EmbeddedNats:
+        assert self.cluster is not None
+        return self.cluster.nodes[int(target.removeprefix("nats-"))]
 
     def _check_alive(self) -> None:
         """A service that exits on its own (not killed here) fails the scenario; an

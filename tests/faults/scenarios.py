@@ -46,7 +46,8 @@ async def run_scenario(
         await system.run(faults)
         await system.settle(faults)
         assert system.nats.proc is not None
-        pids = [system.nats.proc.pid, *(pid for p in system.procs.values() for pid in p.pids)]
+        servers = system.cluster.pids() if system.cluster else [system.nats.proc.pid]
+        pids = [*servers, *(pid for p in system.procs.values() for pid in p.pids)]
         ports = listening_ports(pids)
         assert system.nats.port in ports, f"ports found listening: {ports}"
         await check_recorded(system)
