@@ -30,7 +30,6 @@ from nats.aio.client import Client as NATS
 from nats.errors import ConnectionClosedError, NoServersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext, api
-from nats.js.errors import APIError
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
@@ -40,9 +39,8 @@ from schemas.subjects import errors_subject
 from schemas.tenant import DEFAULT_TENANT, inbox_prefix
 from services.bus import tracing
 from services.bus.errors import BusUnavailable, PayloadTooLarge
-from services.bus.limits import STREAM_SETTINGS, storage_full, stream_of, wait_while_full
+from services.bus.limits import STREAM_SETTINGS, durable_write, full_as_error, stream_of
 from services.bus.provision import provision
-from services.bus.retry import with_backoff
 from services.config import ProcessSettings, process_settings
 from services.telemetry.metrics import record_invalid
 
@@ -376,7 +374,7 @@ class Bus:
         An event over the server's ``max_payload`` is :class:`PayloadTooLarge` before anything
         is sent. While the stream (or the server's store) is full the publish waits, up to
         ``full_wait`` seconds, then raises :class:`~services.bus.errors.StorageFull`, which
-        says which stream and what to do (see :func:`~services.bus.limits.wait_while_full`).
+        says which stream and what to do (see :func:`~services.bus.limits.durable_write`).
         """
         fmt = fmt or self.fmt
         with self._tracer.start_as_current_span(
@@ -392,29 +390,23 @@ class Bus:
                 log.debug("publish to %s failed (%s), retry %d", subject, exc, attempt)
 
             async def once() -> api.PubAck:
-                try:
-                    return await with_backoff(
-                        lambda: self.js.publish(subject, data, timeout=timeout, headers=headers),
-                        attempts=attempts,
-                        first_delay=0.05,
-                        max_delay=1.0,
-                        give_up=lambda: self.nc.is_closed,
-                        on_retry=retrying,
-                    )
-                except APIError as exc:
-                    stream = stream_of(subject)
-                    full = storage_full(
-                        exc,
-                        where=f"stream {stream}" if stream else f"the stream of {subject}",
-                        setting=STREAM_SETTINGS.get(stream or "", ""),
-                        what=f"{type(event).__name__} to {subject}",
-                    )
-                    if full is None:
-                        raise
-                    raise full from exc
+                stream = stream_of(subject)
+                with full_as_error(
+                    where=f"stream {stream}" if stream else f"the stream of {subject}",
+                    setting=STREAM_SETTINGS.get(stream or "", ""),
+                    what=f"{type(event).__name__} to {subject}",
+                ):
+                    return await self.js.publish(subject, data, timeout=timeout, headers=headers)
 
-            return await wait_while_full(
-                once, what=what, full_wait=full_wait, give_up=lambda: self.nc.is_closed
+            return await durable_write(
+                once,
+                what=what,
+                attempts=attempts,
+                first_delay=0.05,
+                max_delay=1.0,
+                give_up=lambda: self.nc.is_closed,
+                on_retry=retrying,
+                full_wait=full_wait,
             )
 
     async def request(

@@ -15,7 +15,8 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 import nats.errors
@@ -24,6 +25,7 @@ from nats.js.errors import APIError
 
 from schemas import subjects as sj
 from services.bus.errors import StorageFull
+from services.bus.retry import TRANSIENT, with_backoff
 from services.config import env_name
 
 log = logging.getLogger(__name__)
@@ -119,6 +121,19 @@ def storage_full(exc: BaseException, *, where: str, setting: str, what: str) -> 
     )
 
 
+@contextmanager
+def full_as_error(*, where: str, setting: str, what: str) -> Iterator[None]:
+    """Inside, a JetStream refusal that says ``where`` (or the server) is full is raised as
+    :class:`StorageFull` (see :func:`storage_full`); any other error passes unchanged."""
+    try:
+        yield
+    except APIError as exc:
+        full = storage_full(exc, where=where, setting=setting, what=what)
+        if full is None:
+            raise
+        raise full from exc
+
+
 def reservation_error(
     exc: BaseException, where: str, setting: str, max_bytes: int
 ) -> StorageFull | None:
@@ -176,6 +191,38 @@ async def wait_while_full(
                 "%s: resumed after %.1fs paused by a full store", what, time.monotonic() - paused_at
             )
         return result
+
+
+async def durable_write(
+    operation: Callable[[], Awaitable[T]],
+    *,
+    what: str,
+    attempts: int,
+    first_delay: float,
+    max_delay: float,
+    give_up: Callable[[], bool],
+    retry_on: tuple[type[BaseException], ...] = TRANSIENT,
+    on_retry: Callable[[BaseException, int, float], None] | None = None,
+    full_wait: float = math.inf,
+) -> T:
+    """A write that must not be lost: transient failures retried ``attempts`` times with
+    backoff (:func:`~services.bus.retry.with_backoff`), and the whole of that tried again while
+    the store is full (:func:`wait_while_full`, up to ``full_wait`` seconds). ``operation``
+    raises :class:`StorageFull` for a full store (:func:`full_as_error`)."""
+    return await wait_while_full(
+        lambda: with_backoff(
+            operation,
+            attempts=attempts,
+            first_delay=first_delay,
+            max_delay=max_delay,
+            retry_on=retry_on,
+            give_up=give_up,
+            on_retry=on_retry,
+        ),
+        what=what,
+        full_wait=full_wait,
+        give_up=give_up,
+    )
 
 
 async def purge_before(js: JetStreamContext, stream: str, subject: str, seq: int) -> None:

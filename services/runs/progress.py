@@ -12,7 +12,7 @@ import logging
 import time
 
 import msgspec
-from nats.js.errors import APIError, KeyDeletedError, KeyNotFoundError
+from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from schemas.codec import decode, encode
 from schemas.records import Progress
@@ -20,8 +20,7 @@ from schemas.run_id import validate_run_id
 from schemas.subjects import KV_PROGRESS
 from schemas.tenant import validate_tenant
 from services.bus import Bus
-from services.bus.limits import storage_full, wait_while_full
-from services.bus.retry import with_backoff
+from services.bus.limits import durable_write, full_as_error
 from services.runs.kv import bucket
 
 log = logging.getLogger(__name__)
@@ -43,33 +42,21 @@ async def write_progress(bus: Bus, run_id: str, progress: Progress) -> int:
 
     async def put() -> int:
         kv = await bucket(bus, KV_PROGRESS)
-        try:
+        where, what = f"KV bucket {KV_PROGRESS}", f"the progress of {run_id}"
+        with full_as_error(where=where, setting="kv_max_bytes", what=what):
             return await kv.put(run_id, value)  # the same value written again is harmless
-        except APIError as exc:
-            full = storage_full(
-                exc,
-                where=f"KV bucket {KV_PROGRESS}",
-                setting="kv_max_bytes",
-                what=f"the progress of {run_id}",
-            )
-            if full is None:
-                raise
-            raise full from exc
 
     def retrying(exc: BaseException, attempt: int, _: float) -> None:
         log.warning("progress of %s: write failed (%s), retry %d", run_id, exc, attempt)
 
-    return await wait_while_full(
-        lambda: with_backoff(
-            put,
-            attempts=PUT_ATTEMPTS,
-            first_delay=0.1,
-            max_delay=2.0,
-            give_up=lambda: bus.nc.is_closed,
-            on_retry=retrying,
-        ),
+    return await durable_write(
+        put,
         what=f"progress of {run_id}",
+        attempts=PUT_ATTEMPTS,
+        first_delay=0.1,
+        max_delay=2.0,
         give_up=lambda: bus.nc.is_closed,
+        on_retry=retrying,
     )
 
 

@@ -26,8 +26,7 @@ from schemas.events import WeightsReady
 from schemas.subjects import weights_bucket, weights_object_key
 from schemas.tenant import DEFAULT_TENANT
 from services.bus import Bus
-from services.bus.limits import wait_while_full
-from services.bus.retry import with_backoff
+from services.bus.limits import durable_write
 from services.weights.blobs import BlobError, delete_blob, list_keys, stream_blob, write_blob
 from services.weights.errors import WeightsError
 from services.weights.stream import EncodedStream, StreamDecoder
@@ -81,18 +80,15 @@ class ObjectStoreSender:
         # A server restarting (or a cluster electing a leader) fails the writes for a few
         # seconds; writing the key again replaces whatever part of it landed. A full store
         # pauses the trainer until there is room: dropping the version would lose the step.
-        return await wait_while_full(
-            lambda: with_backoff(
-                store,
-                attempts=SEND_ATTEMPTS,
-                first_delay=0.1,
-                max_delay=2.0,
-                retry_on=(BlobError, nats.errors.Error),
-                give_up=lambda: self.bus.nc.is_closed,
-                on_retry=retrying,
-            ),
+        return await durable_write(
+            store,
             what=f"{run_id} step {step}: storing the weights",
+            attempts=SEND_ATTEMPTS,
+            first_delay=0.1,
+            max_delay=2.0,
+            retry_on=(BlobError, nats.errors.Error),
             give_up=lambda: self.bus.nc.is_closed,
+            on_retry=retrying,
         )
 
     async def stored(self, run_id: str, *, tenant: str = DEFAULT_TENANT) -> set[int]:
