@@ -261,7 +261,7 @@ def pretrain(
 ) -> PretrainReport:
     """Pre-train the model in ``model_dir`` in place and write ``pretrain.json`` beside it.
 
-    See the module docstring for the method. The defaults take about 70 s on one CPU core.
+    See the module docstring for the method. The defaults took 95-140 s on two shared CPU cores.
     ``log`` receives a progress line (mean loss of the
     last steps) ten times per run. The directory is swapped whole at the end, so a reader sees
     either the old model or the pre-trained one with its ``pretrain.json``, never a mix.
