@@ -19,7 +19,7 @@ from services.envs.prompts import (
     render_chat,
     score_completion,
 )
-from services.envs.strings import CopyEnv, ReverseEnv
+from services.envs.strings import CopyEnv, ReverseEnv, RotateEnv, UpperEnv
 
 __all__ = [
     "BUILTIN_ENVS",
@@ -32,7 +32,9 @@ __all__ = [
     "Message",
     "Prompt",
     "ReverseEnv",
+    "RotateEnv",
     "SplitError",
+    "UpperEnv",
     "decode_ids",
     "encode_text",
     "end_of_turn_ids",

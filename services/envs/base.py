@@ -28,7 +28,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-PROMPT_CHARACTERS = "abcdefghijklmnopqrstuvwxyz0123456789 .,:;!?+-*/=()[]<>'\"_#@"
+PROMPT_CHARACTERS = (
+    "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,:;!?+-*/=()[]<>'\"_#@"
+)
 """Every character a built-in prompt or target uses; the tiny model's tokenizer covers them."""
 
 MAX_DRAWS = 10_000

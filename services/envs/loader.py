@@ -1,6 +1,6 @@
 """Resolve a run's ``env`` setting to an :class:`~.base.Environment`.
 
-``env`` names a built-in (``reverse``, ``copy``, ``add``), a task of an environment library
+``env`` names a built-in (``reverse``, ``copy``, ``upper``, ``rotate``, ``add``), a task of an environment library
 (``reasoning_gym:<task>``, ``verifiers:<taskset id>``; each library an optional extra, imported
 only when named) or a plugin as ``package.module:factory``. A factory is called as
 ``factory(seed=seed, **env_args)`` and must return an Environment; a class deriving from
@@ -17,13 +17,15 @@ from typing import Any
 
 from services.envs.arithmetic import AddEnv
 from services.envs.base import Environment
-from services.envs.strings import CopyEnv, ReverseEnv
+from services.envs.strings import CopyEnv, ReverseEnv, RotateEnv, UpperEnv
 
 EnvFactory = Callable[..., Environment]
 
 BUILTIN_ENVS: dict[str, EnvFactory] = {
     "reverse": ReverseEnv,
     "copy": CopyEnv,
+    "upper": UpperEnv,
+    "rotate": RotateEnv,
     "add": AddEnv,
 }
 

@@ -1,13 +1,15 @@
-"""String tasks: reverse a word, copy a word.
+"""String tasks: reverse a word, copy it, upper-case it, rotate it by one letter.
 
-Both score an exact answer 1 and anything else half its position accuracy (see
+All score an exact answer 1 and anything else half its position accuracy (see
 :func:`~.base.position_accuracy`): ``reverse: abcd=`` answered ``dcbx`` earns 0.375, ``dcb``
 (one letter short) 0.375, ``dcbaaa`` 1/3. Near misses still point the way, but the exact
-answer is worth more than twice any of them, so a policy that stops one letter early, the
-warm start's slip (:meth:`slip`), gains a lot by finishing the word. A model that copies
-instead of reversing earns little on ``reverse`` (only the middle letter of an odd-length word,
-and repeated letters), so a reverse run and a copy run visibly learn different things. A random
-model emits a long string of arbitrary characters and scores close to 0.
+answer is worth more than twice any of them, so a policy that makes the warm start's slip
+(:meth:`slip`) gains a lot by correcting it. ``reverse``, ``copy`` and ``rotate`` slip by
+stopping one letter early; ``upper`` by leaving the last letter lowercase (``ABCd``), a wrong
+letter rather than a missing one. A model that copies instead of reversing earns little on
+``reverse`` (only the middle letter of an odd-length word, and repeated letters), so a reverse
+run and a copy run visibly learn different things. A random model emits a long string of
+arbitrary characters and scores close to 0.
 """
 
 from __future__ import annotations
@@ -61,3 +63,27 @@ class CopyEnv(_WordTask):
     def prompt(self, index: int) -> Prompt:
         word = self._word(index)
         return Prompt(text=f"copy: {word}=", target=word)
+
+
+class UpperEnv(_WordTask):
+    """``upper: abcd=`` -> ``ABCD``, words of ``min_len``..``max_len`` lowercase letters."""
+
+    name = "upper"
+
+    def prompt(self, index: int) -> Prompt:
+        word = self._word(index)
+        return Prompt(text=f"upper: {word}=", target=word.upper())
+
+    def slip(self, prompt: Prompt) -> str | None:
+        """The last letter left lowercase: ``abcd`` -> ``ABCd``."""
+        return prompt.target[:-1] + prompt.target[-1].lower()
+
+
+class RotateEnv(_WordTask):
+    """``rotate: abcd=`` -> ``bcda``: the first letter moved to the end."""
+
+    name = "rotate"
+
+    def prompt(self, index: int) -> Prompt:
+        word = self._word(index)
+        return Prompt(text=f"rotate: {word}=", target=word[1:] + word[0])

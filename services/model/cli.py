@@ -29,7 +29,7 @@ def register(subparsers: Any) -> None:
         description=(
             "Write the default tiny Llama (Hugging Face format, character-level tokenizer) into "
             "DIR and pre-train it for about a minute on demonstrations of the built-in "
-            "tasks (reverse, copy, add), most of them showing a plausible mistake, so that RL "
+            "tasks (reverse, copy, upper, rotate, add), most of them showing a plausible mistake, so that RL "
             "starts from a model that knows the right answer but prefers a wrong one. The same "
             "seed always gives bit-identical weights; nothing is downloaded."
         ),

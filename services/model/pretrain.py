@@ -11,13 +11,15 @@ Method. Next-token prediction (cross-entropy, mean over tokens) on ``<bos> + dem
 <eos>``, the demonstrations drawn round-robin from the environments (``Environment.prompt``,
 split into prompt text and target so that only the answer is changed), all weights, AdamW,
 linear warm-up and cosine decay. With probability ``slip_rate`` (0.65) a demonstration's
-answer is the task's slip (:meth:`Environment.slip`) instead of the target: ``reverse`` and
-``copy`` stop one letter early, ``add`` forgets the carry. The model learns both answers and
-prefers the slip: greedy decoding gives it on nearly every prompt (``copy``, ``reverse``) or
-every prompt with a carry (``add``), while sampling at temperature 1 finds the right answer
-about a third of the time. Lowering the temperature makes the base worse, so the best the base
-does on held-out prompts is its sampled reward, and a run that learns to finish the word or
-keep the carry beats it by a wide margin (README: the main job).
+answer is the task's slip (:meth:`Environment.slip`) instead of the target: ``reverse``,
+``copy`` and ``rotate`` stop one letter early, ``upper`` leaves the last letter lowercase,
+``add`` forgets the carry. The model learns both answers and prefers the slip: greedy decoding
+gives it on nearly every prompt of the string tasks, or every prompt with a carry (``add``),
+while sampling at temperature 1 finds the right answer about a third of the time. Lowering the
+temperature makes the base worse, so the best the base does on held-out prompts is its sampled
+reward, and a run that learns to finish the word (or its last letter) beats it by a wide
+margin (README: the main job). ``add`` is the exception: the tiny model memorises its training
+sums rather than learning to add, so RL has no rule to sharpen there (README says so).
 
 Optionally (``noise`` > 0, off by default) the last ``noisy_fraction`` of the steps train only
 the read-out (the last block's MLP and the final norm) on answers whose characters are replaced
@@ -74,8 +76,8 @@ from services.model.loader import check_model_dir, load_model, quiet_progress_ba
 from services.model.routing import NO_ADAPTER
 from services.model.sampling import SequenceSpec, generate_batch, sequence_seed
 
-DEFAULT_ENVS = ("reverse", "copy", "add")
-DEFAULT_STEPS = 2000
+DEFAULT_ENVS = ("reverse", "copy", "upper", "rotate", "add")
+DEFAULT_STEPS = 2500
 DEFAULT_SLIP_RATE = 0.65
 DEFAULT_NOISE = 0.0
 DEFAULT_BATCH_SIZE = 48

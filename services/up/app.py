@@ -37,7 +37,7 @@ from services.up.view import plot_rewards, summary_record, summary_table
 
 log = logging.getLogger(__name__)
 
-TINY_MODEL_VERSION = "v3"
+TINY_MODEL_VERSION = "v4"
 MAX_LORA_RANK = 16
 
 

@@ -12,7 +12,7 @@ from schemas.config import OrchConfig, orch_config_from_dict
 from services.config import process_settings
 from services.up.sweep import SweepRun, SweepSpec, distinct_ids, expand, sweep_name
 
-DEMO_ENVS = ("reverse", "copy", "add")
+DEMO_ENVS = ("reverse", "copy", "upper")
 FULL_WEIGHTS_LR = 3e-4
 
 

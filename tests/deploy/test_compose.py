@@ -16,11 +16,11 @@ import yaml
 from schemas.config import load_orch_config
 from schemas.run_id import validate_run_id
 from services.config import load_settings
+from services.up.settings import DEMO_ENVS
 
 from .contract import DEPLOY, RUNS, env_read_by, settings_class
 
 COMPOSE = DEPLOY / "local.yml"
-DEMO_ENVS = ("reverse", "copy", "add")
 ONE_SHOT = "auth"  # writes credentials and the NATS config before NATS starts (test_auth.py)
 
 
@@ -89,9 +89,7 @@ def test_every_plexrl_service_runs_a_known_command(compose: dict[str, Any]) -> N
         "registry": "registry",
         "trainer": "trainer",
         "inference": "inference",
-        "orchestrator-reverse": "orchestrator",
-        "orchestrator-copy": "orchestrator",
-        "orchestrator-add": "orchestrator",
+        **{f"orchestrator-{env}": "orchestrator" for env in DEMO_ENVS},
         "orchestrator": "orchestrator",
         "gateway": "gateway",
     }
@@ -228,7 +226,7 @@ def test_one_orchestrator_per_demo_run_with_its_config(compose: dict[str, Any]) 
         assert config.env == env
         rank_limit = int(compose["services"]["trainer"]["environment"]["PLEXRL_MAX_LORA_RANK"])
         assert config.model.lora.rank <= rank_limit
-    assert run_ids == {"run_reverse", "run_copy", "run_add"}
+    assert run_ids == {f"run_{env}" for env in DEMO_ENVS}
 
 
 def test_nats_runs_jetstream_with_the_config_file_and_a_health_check(

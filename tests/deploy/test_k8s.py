@@ -15,6 +15,7 @@ import yaml
 from schemas.config import parse_orch_config
 from schemas.run_id import validate_run_id
 from services.config import load_settings
+from services.up.settings import DEMO_ENVS
 
 from .contract import K8S, PLEXRL_IMAGES, RUNS, env_read_by, image_name, settings_class
 
@@ -172,9 +173,7 @@ def test_k8s_sets_only_environment_variables_the_services_read(
         ("registry", "registry"),
         ("trainer", "trainer"),
         ("inference", "inference"),
-        ("orchestrator-reverse", "orchestrator"),
-        ("orchestrator-copy", "orchestrator"),
-        ("orchestrator-add", "orchestrator"),
+        *((f"orchestrator-{env}", "orchestrator") for env in DEMO_ENVS),
         ("gateway", "gateway"),
     }
 

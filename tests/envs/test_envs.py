@@ -19,6 +19,8 @@ from services.envs import (
     EnvLoadError,
     Prompt,
     ReverseEnv,
+    RotateEnv,
+    UpperEnv,
     load_environment,
 )
 
@@ -120,6 +122,30 @@ def test_slips_are_the_plausible_mistakes_the_warm_start_shows() -> None:
         assert rev.slip(rev.prompt(i)) == rev.prompt(i).target[:-1]
 
 
+def test_upper_and_rotate_prompts_scores_and_slips() -> None:
+    up, rot = UpperEnv(seed=0), RotateEnv(seed=0)
+    for i in range(100):
+        u = up.prompt(i)
+        word = u.text.removeprefix("upper: ").removesuffix("=")
+        assert u.target == word.upper() and 3 <= len(word) <= 5 and word.islower()
+        assert up.slip(u) == word[:-1].upper() + word[-1]  # the last letter left lowercase
+        r = rot.prompt(i)
+        word = r.text.removeprefix("rotate: ").removesuffix("=")
+        assert r.target == word[1:] + word[0] and 3 <= len(word) <= 5
+        assert rot.slip(r) == r.target[:-1]  # stops one letter early
+    p = Prompt(text="upper: abcd=", target="ABCD")
+    assert up.score(p, "ABCD") == 1.0
+    assert up.score(p, "ABCd") == 0.375  # the slip: one letter of four wrong
+    assert up.score(p, "abcd") == 0.0  # copying is not upper-casing
+    assert up.score(p, "ABCDX") == 0.4
+    q = Prompt(text="rotate: abcd=", target="bcda")
+    assert rot.score(q, "bcda") == 1.0
+    assert rot.score(q, "bcd") == 0.375
+    assert rot.score(q, "abcd") == 0.0  # copying is not rotating
+    assert up.slip(Prompt(text="upper: a=", target="A")) == "a"
+    assert {up.prompt(i).text for i in range(5000)}.__len__() > 4500  # thousands of prompts
+
+
 def test_add_partial_credit() -> None:
     env = AddEnv()
     seven = Prompt(text="add: 3+4=", target="7")
@@ -200,7 +226,11 @@ def test_plugin_loads_from_module_path(plugin_dir: Path) -> None:
 @pytest.mark.parametrize(
     ("spec", "kwargs", "message"),
     [
-        ("revers", {}, "unknown environment 'revers': use a built-in (add, copy, reverse)"),
+        (
+            "revers",
+            {},
+            "unknown environment 'revers': use a built-in (add, copy, reverse, rotate, upper)",
+        ),
         ("nosuch_pkg_xyz.mod:f", {}, "cannot import module 'nosuch_pkg_xyz.mod'"),
         (":f", {}, "is not of the form 'package.module:factory'"),
         ("plexrl_test_plugin.tasks:", {}, "is not of the form 'package.module:factory'"),

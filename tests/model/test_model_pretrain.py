@@ -16,6 +16,7 @@ from services.cli import main
 from services.envs import decode_ids, load_environment, prompt_token_ids
 from services.model.loader import load_model
 from services.model.pretrain import (
+    DEFAULT_ENVS,
     PRETRAIN_FILE,
     DemonstrationStream,
     corrupt_answer,
@@ -25,7 +26,7 @@ from services.model.pretrain import (
 )
 from services.model.sampling import SequenceSpec, generate_batch
 
-ENVS = ("reverse", "copy", "add")
+ENVS = DEFAULT_ENVS
 # The optional noisy phase on, so that both phases run.
 SHORT = {"steps": 24, "eval_prompts": 16, "noise": 0.7, "noisy_fraction": 0.3}
 
@@ -125,10 +126,11 @@ def test_corrupt_answer_keeps_the_alphabet_and_jitters_the_length():
 def test_demonstrations_are_bos_prompt_answer_eos(tiny_dir):
     _, tokenizer = load_model(tiny_dir)
     envs = [load_environment(name, seed=5) for name in ENVS]
-    stream = DemonstrationStream(tokenizer, envs, batch_size=6, seed=0)
+    n = len(envs)
+    stream = DemonstrationStream(tokenizer, envs, batch_size=2 * n, seed=0)
     ids_BT, answer_BT = stream.batch(step=2, noise=0.0)
-    for row in range(6):
-        prompt = envs[row % 3].train_prompt(2 * 2 + row // 3)
+    for row in range(2 * n):
+        prompt = envs[row % n].train_prompt(2 * 2 + row // n)
         real = ids_BT[row][ids_BT[row] != tokenizer.pad_token_id].tolist()
         assert (
             decode_ids(tokenizer, real, skip_special_tokens=False)
@@ -143,11 +145,12 @@ def test_demonstrations_are_bos_prompt_answer_eos(tiny_dir):
 def test_demonstrations_show_the_slip_at_the_slip_rate_and_never_a_held_out_prompt(tiny_dir):
     _, tokenizer = load_model(tiny_dir)
     envs = [load_environment(name, seed=5) for name in ENVS]
-    always = DemonstrationStream(tokenizer, envs, batch_size=6, seed=0, slip_rate=1.0)
+    n = len(envs)
+    always = DemonstrationStream(tokenizer, envs, batch_size=2 * n, seed=0, slip_rate=1.0)
     ids_BT, answer_BT = always.batch(step=1, noise=0.0)
-    for row in range(6):
-        env = envs[row % 3]
-        prompt = env.train_prompt(2 + row // 3)
+    for row in range(2 * n):
+        env = envs[row % n]
+        prompt = env.train_prompt(2 + row // n)
         answer = decode_ids(tokenizer, ids_BT[row][answer_BT[row]].tolist(), False)
         assert answer == f"{env.slip(prompt)}<eos>"
     mixed = DemonstrationStream(tokenizer, envs[:2], batch_size=48, seed=0, slip_rate=0.65)
@@ -214,7 +217,12 @@ class _Oracle(torch.nn.Module):
             text = decode_ids(self.tokenizer, seen[i][1:], skip_special_tokens=False)
             prompt, _, written = text.partition("=")
             task, _, operand = prompt.partition(": ")
-            answer = {"reverse": operand[::-1], "copy": operand}.get(task)
+            answer = {
+                "reverse": operand[::-1],
+                "copy": operand,
+                "upper": operand.upper(),
+                "rotate": operand[1:] + operand[:1],
+            }.get(task)
             answer = answer if answer is not None else str(sum(map(int, operand.split("+"))))
             full = [*self.tokenizer.encode(answer, add_special_tokens=False), 2]
             logits[i, 0, full[len(written)]] = 100.0

@@ -67,7 +67,7 @@ def test_plugin_environments_are_located_never_imported(
     ok, message = known_env_hook(OrchConfig(env="plexrl_boom_plugin.missing:make"))
     assert not ok and "plugin module 'plexrl_boom_plugin.missing'" in message
     assert known_env_hook(OrchConfig(env="json:loads")) == (True, "")
-    for spec in ("reverse", "copy", "add"):
+    for spec in ("reverse", "copy", "upper", "rotate", "add"):
         assert known_env_hook(OrchConfig(env=spec)) == (True, "")
     ok, message = known_env_hook(OrchConfig(env="json:"))
     assert not ok and "'package.module:factory'" in message
