@@ -278,6 +278,7 @@ class InferenceService:
             for key in list(self.installed_at)[:2048]:
                 del self.installed_at[key]
         self.installed_at[(event.run_id, event.step)] = now = time.monotonic()
+        log.info("%s: version %d loaded", event.run_id, event.step)
         published = self.follower.published_at.get((event.run_id, event.step))
         if published is not None:
             tenant = self.mirror.tenant_of(event.run_id) or DEFAULT_TENANT

@@ -74,6 +74,8 @@ class Fault:
     137 at that commit point on its own, and the restart goes without it"""
     killed_at: float | None = None
     restarted_at: float | None = None
+    restarted_wall: float | None = None
+    """``time.time()`` of the restart, to compare with the services' log lines"""
     killed_at_step: int | None = None
     skipped: bool = False
     """the target (an orchestrator) had finished its run before the trigger came"""
@@ -242,7 +244,7 @@ class System:
             self._node(fault.target).start()
         else:
             self.procs[fault.target].start()
-        fault.restarted_at = time.monotonic()
+        fault.restarted_at, fault.restarted_wall = time.monotonic(), time.time()
         self._down.discard(fault.target)
         self.log(f"restarted {fault.target}")
         if fault.target in self.recoveries:

@@ -4,13 +4,17 @@ Per run: the step log (``trainer_steps.jsonl``), the progress record and the new
 all say that steps 0..N-1 were trained, each exactly once; the orchestrator's ``metrics.jsonl``
 has every step once, with a policy lag within ``max_async_level``; the newest WeightsReady of
 every weight version still stored names the digest and size of the stored bytes (hashed here
-again); the trainer holds no unacknowledged batch. After the stop: no process of the system is
+again); every inference replica loaded each run's versions in increasing order, never an older
+one (a resumed trainer republishes versions a replica may already hold); the trainer holds no
+unacknowledged batch. After the stop: no process of the system is
 left, and no port it listened on is still open.
 """
 
 from __future__ import annotations
 
 import os
+import re
+from datetime import datetime
 from pathlib import Path
 
 from schemas.codec import decode
@@ -45,6 +49,7 @@ async def check_recorded(system: System) -> None:
         assert all(m["policy_lag"] == m["step"] - m["policy_version"] for m in metrics)
 
         await check_weights(system.bus, run_id, n)
+    check_replica_versions(system)
     backlog = await system.trainer_backlog()
     assert backlog == (0, 0), f"the trainer's consumer holds {backlog} (unacked, undelivered)"
 
@@ -82,6 +87,37 @@ async def _announcements(bus: Bus, run_id: str) -> list[WeightsReady]:
         if raw.subject == subject:
             out.append(decode(raw.data or b"", WeightsReady))
     return out
+
+
+_LOADED = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO services\.inference\.service: "
+    r"(\S+): version (\d+) loaded$"
+)
+
+
+def replica_loads(log: Path) -> list[tuple[float, str, int]]:
+    """``(time.time(), run_id, version)`` of each adapter version an inference replica's log
+    (every process that wrote to it, in order) says it loaded."""
+    loads = []
+    for line in log.read_text(errors="replace").splitlines():
+        if match := _LOADED.match(line):
+            stamp, run_id, version = match.groups()
+            when = datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            loads.append((when, run_id, int(version)))
+    return loads
+
+
+def check_replica_versions(system: System) -> None:
+    """Per replica and run, the versions loaded never go back and the newest is at most the
+    run's last version; a restarted replica may load again the version it held."""
+    for i in range(system.replicas):
+        loads = replica_loads(system.procs[f"inference-{i}"].log)
+        for run_id, config in system.runs.items():
+            versions = [v for _, r, v in loads if r == run_id]
+            assert versions == sorted(versions), f"inference-{i}, {run_id}: loaded {versions}"
+            assert not versions or versions[-1] <= config.max_steps, (
+                f"inference-{i}, {run_id}: {versions}"
+            )
 
 
 def listening_ports(pids: list[int]) -> set[int]:
