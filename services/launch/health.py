@@ -93,10 +93,12 @@ class Answer:
         return f"pid {self.pid} on {self.host} (connection {self.connection})"
 
 
-async def ping(nc: Client, service: str, host: str | None, timeout: float) -> list[Answer]:
-    """Ping every ``plexrl-<service>``; return as soon as one on ``host`` answers (any host:
-    ``None``), else every answer that came within ``timeout`` seconds. The matching answer, if
-    any, is last."""
+async def ping(
+    nc: Client, service: str, host: str | None, timeout: float, pid: int | None = None
+) -> list[Answer]:
+    """Ping every ``plexrl-<service>``; return as soon as one on ``host`` (any host: ``None``)
+    with ``pid`` (any: ``None``) answers, else every answer that came within ``timeout``
+    seconds. The matching answer, if any, is last."""
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     answers: list[Answer] = []
@@ -112,7 +114,7 @@ async def ping(nc: Client, service: str, host: str | None, timeout: float) -> li
             if answer is None:
                 continue
             answers.append(answer)
-            if host is None or answer.host == host:
+            if (host is None or answer.host == host) and (pid is None or answer.pid == str(pid)):
                 break
     finally:
         await sub.unsubscribe()

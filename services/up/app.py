@@ -34,6 +34,7 @@ from services.up.settings import UpSettings, default_cache_dir
 from services.up.supervisor import ChildFailed, RestartPolicy, Supervisor
 from services.up.sweep import SweepRun
 from services.up.view import plot_rewards, summary_record, summary_table
+from services.up.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ async def run_up(
         notify=lambda line: _notice(console, line),
     )
     bus: Bus | None = None
+    watching: asyncio.Task[None] | None = None
     stop = stop_on_signals()
     ports = _child_metrics_ports()
     try:
@@ -116,6 +118,16 @@ async def run_up(
             port = str(settings.gateway_port)
             sup.start("gateway", ["gateway", "--model", str(model_dir), "--port", port, *common])
         bus = await Bus.connect(nats_url, "up")
+        if settings.health_interval_s > 0:
+            watchdog = Watchdog(
+                bus,
+                sup,
+                interval_s=settings.health_interval_s,
+                misses=settings.health_misses,
+                timeout_s=min(10.0, settings.health_interval_s),
+                notify=lambda line: _notice(console, line),
+            )
+            watching = asyncio.create_task(watchdog.run(stop))
         from services.model.loader import load_tokenizer
 
         tokenizer = load_tokenizer(model_dir)
@@ -143,6 +155,10 @@ async def run_up(
         return 1
     finally:
         stop.set()
+        if watching is not None:
+            watching.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watching
         sup.stop_all()
         if bus is not None:
             await bus.close()

@@ -64,6 +64,16 @@ class UpSettings(BaseModel):
     restart_window_s: float = Field(
         600.0, gt=0, le=86_400, description="the window max_restarts counts crashes in"
     )
+    health_interval_s: float = Field(
+        30.0,
+        ge=0,
+        le=3600,
+        description="seconds between health pings of the services; one that has answered and "
+        "then misses health_misses in a row is killed and restarted (0: no pings)",
+    )
+    health_misses: int = Field(
+        3, ge=1, le=100, description="health pings missed in a row that make a service hung"
+    )
     gateway: bool = Field(
         False,
         description="also start the HTTP gateway (Tinker and OpenAI APIs); then no demo runs "

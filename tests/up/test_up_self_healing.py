@@ -128,3 +128,52 @@ def test_up_restarts_a_killed_trainer_and_every_step_is_trained_once(tmp_path: P
         assert sorted(trained) == list(range(STEPS)), (run, trained)  # each step once
     summary = json.loads((out / "summary.json").read_text())
     assert {run: summary[run]["status"] for run in RUNS} == dict.fromkeys(RUNS, "done")
+
+
+def test_up_kills_and_restarts_a_hung_trainer(tmp_path: Path) -> None:
+    """A trainer that stops (SIGSTOP: alive, silent) misses its health pings, is killed as hung
+    and restarted; the runs finish with every step trained once."""
+    model = build_tiny_model(tmp_path / "model", seed=0)
+    config = tmp_path / "up.toml"
+    config.write_text(UP_CONFIG)
+    out, log = tmp_path / "out", tmp_path / "up.log"
+    argv = ["up", "--runs", "2", "--steps", str(STEPS), "--config", str(config)]
+    argv += ["--model", str(model), "--output-dir", str(out), "--no-live"]
+    argv += ["--health-interval-s", "1", "--health-misses", "3"]
+    with open(log, "wb") as sink:
+        up = subprocess.Popen(
+            [sys.executable, "-m", "services", *argv],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env=_clean_env(),
+        )
+    try:
+        deadline = time.monotonic() + 180
+        while len(_lines(out / "run_reverse" / "trainer_steps.jsonl")) < 2:
+            assert up.poll() is None, f"plexrl up exited early:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"no step trained:\n{log.read_text()}"
+            time.sleep(0.2)
+        (trainer,) = [p for p, cmd in _children(up.pid).items() if " services trainer " in cmd]
+        os.kill(trainer, signal.SIGSTOP)
+        assert all(len(_lines(out / run / "trainer_steps.jsonl")) < STEPS for run in RUNS)
+        up.wait(timeout=240)
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGTERM)
+            up.wait(timeout=60)
+        if _alive(trainer):
+            os.kill(trainer, signal.SIGKILL)
+    said = log.read_text()
+    assert up.returncode == 0, said
+    assert (
+        f"plexrl up: trainer (pid {trainer}) did not answer 3 health pings in a row (1 s apart): "
+        "hung, or cut off from NATS; killing it" in said
+    ), said
+    assert f"plexrl up: trainer (pid {trainer}) killed by SIGKILL; restarting it" in said, said
+    assert re.search(r"plexrl up: trainer restarted \(pid \d+, restart 1\)", said), said
+    assert not _alive(trainer)
+    for run in RUNS:
+        metrics = [m["step"] for m in _lines(out / run / "metrics.jsonl")]
+        assert metrics == list(range(STEPS)), (run, metrics)
+        trained = [t["step"] for t in _lines(out / run / "trainer_steps.jsonl")]
+        assert sorted(trained) == list(range(STEPS)), (run, trained)
