@@ -242,6 +242,14 @@ class GenerateRequest(Event, frozen=True, kw_only=True, tag="generate_request"):
     Producer: orchestrator (or any client). Consumer: an inference replica.
     Subject: ``plexrl.inference.generate`` (request/reply). The reply is a GenerateResponse
     generated with a policy version ``>= min_policy_version``, or an error.
+
+    ``progress_subject`` asks for liveness: the replica that takes the request publishes a
+    GenerateProgress there at once and then every ``progress_every_s`` seconds until it replies,
+    so a requester can tell a replica that died holding the request from one that is still
+    waiting or generating. It must be an inbox of the requester: a subject under ``_INBOX.``
+    (``_INBOX_<tenant>.`` on a tenant's generate subject); a replica refuses any other with an
+    error reply. Absent (every request before the field existed), no progress is sent. The reply
+    itself always travels on the request's NATS reply subject.
     """
 
     request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -254,6 +262,31 @@ class GenerateRequest(Event, frozen=True, kw_only=True, tag="generate_request"):
     min_policy_version: NonNegInt = 0
     seed: int | None = None
     timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 30.0
+    progress_subject: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
+    progress_every_s: Annotated[float, msgspec.Meta(ge=0.1, le=60.0)] = 2.0
+
+
+ProgressState = Literal["waiting_for_version", "generating"]
+"""What a replica is doing with a request: waiting until it can serve the request's
+``min_policy_version``, or generating (queued in or running a batch)."""
+
+
+class GenerateProgress(Event, frozen=True, kw_only=True, tag="generate_progress"):
+    """A replica still holds a GenerateRequest: a liveness message, not a result.
+
+    Producer: the inference replica that took a request naming a ``progress_subject``.
+    Consumer: the requester. Subject: the request's ``progress_subject`` (core NATS, no stream).
+    Sent when the replica takes the request, when its state changes and every
+    ``progress_every_s`` seconds until the reply is sent; ``seq`` counts them from 0. When they
+    stop and no reply came, the replica is gone: the requester may send the request again
+    without waiting for its own timeout.
+    """
+
+    request_id: str
+    run_id: str
+    replica: str
+    state: ProgressState
+    seq: NonNegInt = 0
 
 
 class Completion(msgspec.Struct, frozen=True, kw_only=True):
@@ -375,6 +408,7 @@ ALL_EVENTS: tuple[type[Event], ...] = (
     WeightsReady,
     GenerateRequest,
     GenerateResponse,
+    GenerateProgress,
     InvalidMessage,
     ServiceError,
     RunListRequest,
@@ -393,6 +427,7 @@ AnyEvent = (
     | WeightsReady
     | GenerateRequest
     | GenerateResponse
+    | GenerateProgress
     | InvalidMessage
     | ServiceError
     | RunListRequest

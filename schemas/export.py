@@ -81,6 +81,12 @@ _PARAMETERS: dict[str, dict[str, Any]] = {
         "description": "A replica's member id in a collective group.",
         "examples": ["inference-0-1a2b3c4d"],
     },
+    "progress_subject": {
+        "description": "The whole subject a GenerateRequest names in progress_subject: an inbox "
+        "of the requester, under _INBOX. (on a tenant's generate subject: _INBOX_<tenant>.). "
+        "Replicas refuse a request naming any other subject.",
+        "examples": ["_INBOX.Tq3Xw2cX8mLh0cV5q1Yz7A", "_INBOX_team-a.Tq3Xw2cX8mLh0cV5q1Yz7A"],
+    },
 }
 
 MESSAGES: tuple[type[Event], ...] = ALL_EVENTS + COLLECTIVE_MESSAGES

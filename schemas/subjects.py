@@ -18,6 +18,7 @@ from schemas.collective import GroupFormed, GroupState, JoinRequest, LeaveReques
 from schemas.events import (
     Event,
     EvictRequested,
+    GenerateProgress,
     GenerateRequest,
     GenerateResponse,
     InvalidMessage,
@@ -376,6 +377,16 @@ CHANNELS: tuple[Channel, ...] = (
         summary="completions with per-token log-probabilities under a run's adapter",
         reply=(GenerateResponse,),
         queue_group=INFERENCE_QUEUE_GROUP,
+    ),
+    Channel(
+        "inference_generate_progress",
+        "{progress_subject}",
+        None,
+        (GenerateProgress,),
+        producers="the inference replica holding a request that names a progress_subject",
+        consumers="the requester",
+        summary="a generate request is still held (waiting for its policy version or "
+        "generating); sent to the request's progress_subject until the reply is sent",
     ),
     Channel(
         "registry_list",

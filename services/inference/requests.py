@@ -2,8 +2,9 @@
 
 Decoding already enforces the schema (types, bounds, the run-id pattern). What only this
 replica can judge is checked here: token ids inside the model's vocabulary, prompts that are
-not empty, and prompt plus completion within the model's context. A request that fails is
-malformed for this model: it gets an error reply and an InvalidMessage report.
+not empty, prompt plus completion within the model's context, and a ``progress_subject`` that is
+an inbox of the requester's tenant (a replica publishes nowhere else). A request that fails is
+malformed: it gets an error reply and an InvalidMessage report.
 
 A reply goes to the request's reply subject in the request's own encoding (MessagePack when it
 came as MessagePack), with the trace context and the ``Plexrl-Replica`` header naming the
@@ -19,6 +20,7 @@ from nats.aio.client import Client as NATS
 
 from schemas.codec import Format, content_type, encode, is_msgpack
 from schemas.events import GenerateRequest, GenerateResponse
+from schemas.tenant import check_progress_subject
 from services.bus import tracing
 
 REPLICA_HEADER = "Plexrl-Replica"
@@ -49,6 +51,21 @@ def check_request(req: GenerateRequest, vocab_size: int, max_model_len: int) -> 
             )
 
 
+def check_progress(req: GenerateRequest, tenant: str) -> None:
+    """Raise :class:`RequestFailed` unless ``req.progress_subject`` is absent or an inbox of
+    ``tenant`` (see :func:`schemas.tenant.check_progress_subject`)."""
+    if req.progress_subject is not None:
+        try:
+            check_progress_subject(req.progress_subject, tenant)
+        except ValueError as exc:
+            raise RequestFailed(str(exc)) from None
+
+
+def request_format(request_headers: dict[str, str]) -> Format:
+    """The encoding of a request, which its reply and its progress messages use too."""
+    return "msgpack" if is_msgpack(request_headers.get("Content-Type")) else "json"
+
+
 def request_seed(seed: int | None) -> int:
     """The request's seed, or a fresh random one when it gave none."""
     return secrets.randbits(63) if seed is None else seed
@@ -69,7 +86,7 @@ async def send_reply(
     replica_name: str,
 ) -> None:
     """Publish ``response`` to the requester's inbox, encoded as the request was."""
-    fmt: Format = "msgpack" if is_msgpack(request_headers.get("Content-Type")) else "json"
+    fmt = request_format(request_headers)
     data = encode(response, fmt)
     limit = nc.max_payload or 0
     if limit and len(data) > limit:

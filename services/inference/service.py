@@ -23,6 +23,9 @@
   ``min_policy_version``; the reply says which version generated it. Anything wrong with a
   request gets an error reply; a malformed one is also reported as InvalidMessage on
   ``plexrl.errors.<service>``. Nothing a request holds can stop the service.
+- A request naming a ``progress_subject`` (an inbox of its tenant; any other subject is
+  refused as malformed) hears GenerateProgress there while it waits for its version and while
+  it generates, until its reply is sent (:class:`~services.inference.progress.ProgressBeacon`).
 """
 
 from __future__ import annotations
@@ -43,10 +46,13 @@ from schemas.events import GenerateRequest, GenerateResponse, WeightsReady
 from schemas.tenant import DEFAULT_TENANT
 from services.bus import Bus, tracing
 from services.inference.jobs import Engine, Job, JobResult, LoadInto, SlotChanged
+from services.inference.progress import ProgressBeacon
 from services.inference.requests import (
     RequestFailed,
+    check_progress,
     check_request,
     failure,
+    request_format,
     request_seed,
     send_reply,
 )
@@ -329,18 +335,24 @@ class InferenceService:
     async def _answer(
         self, subject: str, data: bytes, headers: dict[str, str], span: Span
     ) -> GenerateResponse:
+        tenant = sj.tenant_of_subject(subject)  # _on_request answered the illegal ones
         try:
             req: GenerateRequest = decode(data, GenerateRequest, headers.get("Content-Type"))
             check_request(req, self.engine.vocab_size, self.engine.max_model_len)
+            check_progress(req, tenant)
         except (DecodeError, RequestFailed) as exc:
             await self.bus.report_invalid(subject, str(exc), data)
             return failure(salvage_id(data), "", f"invalid GenerateRequest: {exc}")
-        tenant = sj.tenant_of_subject(subject)  # _on_request answered the illegal ones
         span.set_attribute("run_id", req.run_id)
         span.set_attribute("request_id", req.request_id)
         span.set_attribute("tenant", tenant)
         try:
-            slot, result = await self._generate(req, tenant)
+            if req.progress_subject is None:
+                slot, result = await self._generate(req, tenant, None)
+            else:
+                fmt = request_format(headers)
+                async with ProgressBeacon(self.bus.nc, req, self.replica_name, fmt) as beacon:
+                    slot, result = await self._generate(req, tenant, beacon)
         except WrongTenant as exc:
             log.warning("refused a generate request on %s: %s", subject, exc)
             await self.bus.report_invalid(subject, str(exc), data)
@@ -361,7 +373,9 @@ class InferenceService:
             completions=result.completions,
         )
 
-    async def _generate(self, req: GenerateRequest, tenant: str) -> tuple[int, JobResult]:
+    async def _generate(
+        self, req: GenerateRequest, tenant: str, beacon: ProgressBeacon | None
+    ) -> tuple[int, JobResult]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + req.timeout_s
         seed = request_seed(req.seed)
@@ -405,9 +419,13 @@ class InferenceService:
                     min_version=req.min_policy_version,
                     seed=seed,
                 )
+                if beacon is not None:
+                    beacon.state = "generating"
                 try:
                     return slot, await self.engine.generate(job)
                 except SlotChanged:
+                    if beacon is not None:
+                        beacon.state = "waiting_for_version"
                     continue
             remaining = deadline - loop.time()
             if remaining <= 0:

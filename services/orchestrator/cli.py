@@ -90,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
             output_dir=settings.output_dir,
             tokenizer=tokenizer,
             request_timeout=settings.request_timeout,
+            progress_every_s=settings.progress_every_s,
             wait_for_training=settings.wait_for_training,
             max_concurrent_requests=settings.max_concurrent_requests,
             submitted_by=f"plexrl {COMMAND} ({_who()})",

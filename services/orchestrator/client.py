@@ -11,7 +11,13 @@ exponential backoff capped at ``max_backoff``, whenever
 - no replica answers in time (a NATS timeout),
 - nobody listens on the subject (NATS "no responders"),
 - the reply's ``error`` is one a replica sends for a transient condition (see
-  :func:`is_retryable_error`: the version is not loaded yet, the run is not known yet...).
+  :func:`is_retryable_error`: the version is not loaded yet, the run is not known yet...),
+- the replica holding the request went silent: with ``progress_every_s > 0`` each attempt
+  names a fresh inbox as the request's ``progress_subject`` (see :mod:`.liveness`); once a
+  replica has sent progress there, ``3 * progress_every_s + 2`` seconds without any means it
+  died with the request (a SIGKILL, a lost host), and the request is sent again at once, with
+  no backoff, instead of after the attempt's ``timeout``. A replica that sends no progress
+  (one older than the field) is waited for exactly as before.
 
 Any other error reply is final and raises :class:`GenerationError`. Each retry is logged with
 the request id and the reason: at warning level once per reason every ``warn_every`` seconds
@@ -36,6 +42,7 @@ from schemas.events import GenerateRequest, GenerateResponse
 from schemas.subjects import generate_subject
 from services.bus import Bus
 from services.orchestrator.lifecycle import acting_tenant
+from services.orchestrator.liveness import ReplicaSilent, ask_with_progress
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +84,8 @@ class GenerateClient:
 
     ``timeout`` bounds one attempt: the time a replica may take to wait for the policy version
     and to generate. ``max_attempts`` of None retries until ``stop`` is set (or the caller
-    cancels), which is what a long-lived run wants.
+    cancels), which is what a long-lived run wants. ``progress_every_s`` is how often the
+    replica holding a request should say so (0: never ask, and wait for each attempt's timeout).
     """
 
     def __init__(
@@ -92,9 +100,14 @@ class GenerateClient:
         subject: str | None = None,
         tenant: str | None = None,
         warn_every: float = 10.0,
+        progress_every_s: float = 2.0,
     ) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        if progress_every_s != 0 and not 0.1 <= progress_every_s <= 60:
+            raise ValueError(
+                f"progress_every_s must be 0 (off) or 0.1..60 seconds, got {progress_every_s}"
+            )
         self.bus = bus
         self.timeout = timeout
         self.stop = stop or asyncio.Event()
@@ -104,8 +117,13 @@ class GenerateClient:
         self.subject = subject or generate_subject(acting_tenant(tenant))
         self.warn_every = warn_every
         self._warned: dict[str, float] = {}
+        self.progress_every_s = progress_every_s
         self.retries = 0
         """retries made by this client since it was created (for metrics and tests)"""
+        self.progress_received = 0
+        """GenerateProgress messages heard from replicas holding this client's requests"""
+        self.silent_replicas = 0
+        """attempts abandoned because the replica holding them went silent"""
 
     async def generate(self, request: GenerateRequest) -> GenerateResponse:
         """The reply to ``request``; retries as the module docstring says."""
@@ -114,13 +132,20 @@ class GenerateClient:
         while True:
             attempt += 1
             try:
-                response = await self.bus.request(
-                    self.subject, request, GenerateResponse, timeout=self.timeout
-                )
+                response = await self._attempt(request)
             except NatsTimeout:
                 reason = f"no reply within {self.timeout:g}s"
             except NoRespondersError:
                 reason = f"no inference replica listens on {self.subject}"
+            except ReplicaSilent as silent:
+                self.silent_replicas += 1
+                reason = str(silent)
+                if self.max_attempts is not None and attempt >= self.max_attempts:
+                    raise GenerationError(
+                        f"{request.request_id}: giving up after {attempt} attempts; last: {reason}"
+                    ) from None
+                self._retry_now(request, silent)
+                continue
             else:
                 if not response.error:
                     return response
@@ -136,19 +161,55 @@ class GenerateClient:
             await self._back_off(request, attempt, reason, delay)
             delay = min(delay * 2, self.max_backoff)
 
+    async def _attempt(self, request: GenerateRequest) -> GenerateResponse:
+        """One request/reply, watched for progress when ``progress_every_s`` asks for it."""
+        if not self.progress_every_s:
+            return await self.bus.request(
+                self.subject, request, GenerateResponse, timeout=self.timeout
+            )
+        return await ask_with_progress(
+            self.bus,
+            self.subject,
+            request,
+            timeout=self.timeout,
+            every=self.progress_every_s,
+            on_progress=self._count_progress,
+        )
+
+    def _count_progress(self) -> None:
+        self.progress_received += 1
+
+    def _retry_now(self, request: GenerateRequest, silent: ReplicaSilent) -> None:
+        """Retry at once: the request is not waiting for anything but a live replica."""
+        if self.stop.is_set():
+            raise GenerationStopped(request.request_id)
+        self.retries += 1
+        # One warning per silent replica (every warn_every): its many requests die together.
+        log.log(
+            self._level(f"replica {silent.replica} went silent"),
+            "replica %s went silent for %.1fs while holding request %s; retrying",
+            silent.replica,
+            silent.silent_for,
+            request.request_id,
+        )
+
+    def _level(self, reason: str) -> int:
+        """WARNING the first time ``reason`` comes up in ``warn_every`` seconds, else DEBUG."""
+        now = time.monotonic()
+        if now - self._warned.get(reason, -math.inf) < self.warn_every:
+            return logging.DEBUG
+        if len(self._warned) > 256:  # reasons carry version numbers: keep the memo small
+            self._warned.clear()
+        self._warned[reason] = now
+        return logging.WARNING
+
     async def _back_off(
         self, request: GenerateRequest, attempt: int, reason: str, delay: float
     ) -> None:
         if self.stop.is_set():
             raise GenerationStopped(request.request_id)
         self.retries += 1
-        now = time.monotonic()
-        level = logging.DEBUG
-        if now - self._warned.get(reason, -math.inf) >= self.warn_every:
-            if len(self._warned) > 256:  # reasons carry version numbers: keep the memo small
-                self._warned.clear()
-            self._warned[reason] = now
-            level = logging.WARNING
+        level = self._level(reason)
         log.log(
             level,
             "%s: %s; retrying in %.2fs (attempt %d)",

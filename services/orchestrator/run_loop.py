@@ -122,6 +122,7 @@ class RunOrchestrator:
         tokenizer: Any,
         env: Environment | None = None,
         request_timeout: float = 120.0,
+        progress_every_s: float = 2.0,
         wait_for_training: bool = True,
         max_concurrent_requests: int = 64,
         submitted_by: str = "plexrl orchestrator",
@@ -147,6 +148,7 @@ class RunOrchestrator:
                 log.warning("%s: no held-out evaluation: %s", run_id, exc)
                 self.evaluate = False
         self.request_timeout = request_timeout
+        self.progress_every_s = progress_every_s
         self.wait_for_training = wait_for_training
         self.submitted_by = submitted_by
         self.registry_service = registry_service
@@ -193,7 +195,12 @@ class RunOrchestrator:
             self._versions = PolicyVersions(self.bus, self.run_id, since=admission.incarnation_time)
             await self._versions.start()
             self.next_step = await self._resume_step(admission)
-            client = GenerateClient(self.bus, timeout=self.request_timeout, stop=stop)
+            client = GenerateClient(
+                self.bus,
+                timeout=self.request_timeout,
+                stop=stop,
+                progress_every_s=self.progress_every_s,
+            )
             self._steps = FilteringStepRunner(
                 self.bus,
                 self.run_id,

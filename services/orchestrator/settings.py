@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class OrchestratorSettings(BaseModel):
@@ -34,6 +34,14 @@ class OrchestratorSettings(BaseModel):
         description="seconds one generate request may take (waiting for the policy version "
         "included) before it is retried",
     )
+    progress_every_s: float = Field(
+        2.0,
+        ge=0,
+        le=60,
+        description="seconds between the progress messages a replica holding a generate request "
+        "is asked to send; after 3 * this + 2 seconds without one the replica is presumed dead "
+        "and the request is sent again at once (0: ask for none, wait request_timeout)",
+    )
     wait_for_training: bool = Field(
         True,
         description="after the last step, wait until the trainer announces version max_steps",
@@ -46,3 +54,10 @@ class OrchestratorSettings(BaseModel):
         pattern=r"^[A-Za-z0-9_-]{1,64}$",
         description="service name of the registry: its refusals arrive on plexrl.errors.<name>",
     )
+
+    @field_validator("progress_every_s")
+    @classmethod
+    def _progress_off_or_in_range(cls, value: float) -> float:
+        if 0 < value < 0.1:
+            raise ValueError("must be 0 (off) or at least 0.1 seconds")
+        return value

@@ -8,6 +8,8 @@ for the operations a tenant needs:
 
 - publishing its own requests and rollouts (JetStream publish: the acknowledgement comes back on
   the tenant's own inbox prefix);
+- hearing the progress of its generate requests: a replica (the services' user) publishes it to
+  the request's ``progress_subject``, which must be an inbox under the tenant's own prefix;
 - following its own runs, weights and rollouts with ordered consumers: a consumer create whose
   API subject names a filter inside the tenant's subjects (the server refuses a create whose
   body filter differs from the subject's), and the flow-control replies of those consumers;

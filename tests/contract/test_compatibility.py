@@ -5,10 +5,18 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
 
 from schemas.codec import MSGPACK, DecodeError, decode, encode
-from schemas.events import SUPPORTED_VERSIONS, AnyEvent, RolloutBatch, RunDiscovered, WeightsReady
+from schemas.events import (
+    SUPPORTED_VERSIONS,
+    AnyEvent,
+    GenerateRequest,
+    RolloutBatch,
+    RunDiscovered,
+    WeightsReady,
+)
 from schemas.records import Progress, RunRecord
 
 from .vectors import CURRENT_DIR, EVENTS, examples, validator, version_dirs
@@ -101,3 +109,40 @@ def test_a_tenant_run_keeps_its_tenant_through_both_encodings() -> None:
     event = decode(json.dumps(doc).encode(), AnyEvent)
     assert isinstance(event, RunDiscovered) and event.tenant == "team-a"
     assert decode(encode(event, "msgpack"), AnyEvent, content_type_header=MSGPACK) == event
+
+
+# --- generate progress -------------------------------------------------------------------------
+
+
+def test_a_generate_request_written_before_progress_existed_asks_for_none() -> None:
+    doc = _with("generate_request/valid_2.json")
+    assert doc["progress_subject"] is not None
+    del doc["progress_subject"], doc["progress_every_s"]  # what an old client sends
+    raw = json.dumps(doc).encode()
+    for target in (GenerateRequest, AnyEvent):
+        event = decode(raw, target)
+        assert isinstance(event, GenerateRequest)
+        assert (event.progress_subject, event.progress_every_s) == (None, 2.0)
+        assert (event.request_id, event.seed, event.timeout_s) == (doc["request_id"], 1234, 120.0)
+    assert list(validator("generate_request").iter_errors(doc)) == []
+
+
+def test_a_reader_without_the_progress_fields_still_reads_a_new_request() -> None:
+    """An old replica's GenerateRequest had no progress fields: it ignores them."""
+
+    class OldGenerateRequest(
+        msgspec.Struct, frozen=True, kw_only=True, tag="generate_request", tag_field="type"
+    ):
+        request_id: str
+        run_id: str
+        prompts: list[list[int]]
+        n: int = 1
+        timeout_s: float = 30.0
+
+    new = decode((CURRENT_DIR / "generate_request" / "valid_2.json").read_bytes(), GenerateRequest)
+    assert new.progress_subject == "_INBOX.Tq3Xw2cX8mLh0cV5q1Yz7A"
+    for fmt in ("json", "msgpack"):
+        raw = encode(new, fmt)  # type: ignore[arg-type]
+        header = MSGPACK if fmt == "msgpack" else None
+        old = decode(raw, OldGenerateRequest, content_type_header=header)
+        assert (old.request_id, old.prompts, old.n) == (new.request_id, new.prompts, 2)

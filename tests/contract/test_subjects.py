@@ -8,6 +8,7 @@ import pytest
 from schemas import subjects
 from schemas.collective import COLLECTIVE_MESSAGES, GroupState
 from schemas.events import ALL_EVENTS, event_tag
+from schemas.tenant import check_progress_subject, progress_inbox_prefix
 
 
 def _captured_by(subject: str, wildcard: str) -> bool:
@@ -55,7 +56,13 @@ def test_every_event_has_exactly_one_channel() -> None:
 
 def test_each_channel_is_captured_by_its_stream_only() -> None:
     for ch in subjects.CHANNELS:
-        sample = ch.address.format(run_id="run_x", service="trainer", group="g", member="m")
+        sample = ch.address.format(
+            run_id="run_x",
+            service="trainer",
+            group="g",
+            member="m",
+            progress_subject="_INBOX.Tq3Xw2cX8mLh0cV5q1Yz7A",
+        )
         streams = [
             s.name for s in subjects.STREAMS if any(_captured_by(sample, w) for w in s.subjects)
         ]
@@ -110,3 +117,32 @@ def test_collective_subjects_are_per_group_and_checked() -> None:
             subjects.collective_subjects(bad)
     with pytest.raises(ValueError, match="illegal service name"):
         group.alive("x.>")
+
+
+def test_progress_subjects_are_inboxes_of_the_requesters_tenant() -> None:
+    assert progress_inbox_prefix() == "_INBOX."
+    assert progress_inbox_prefix("acme") == "_INBOX_acme."
+    for good, tenant in (
+        ("_INBOX.Tq3Xw2cX8mLh0cV5q1Yz7A", "default"),
+        ("_INBOX.Tq3Xw2cX8mLh0cV5q1Yz7A.progress", "default"),
+        ("_INBOX_acme.Tq3Xw2cX8mLh0cV5q1Yz7A", "acme"),
+    ):
+        assert check_progress_subject(good, tenant) == good
+    for bad, tenant in (
+        ("plexrl.runs.submit", "default"),
+        ("plexrl.inference.acme.generate", "acme"),
+        ("_INBOX", "default"),
+        ("_INBOX.", "default"),
+        ("_INBOX.>", "default"),
+        ("_INBOX.*", "default"),
+        ("_INBOX.a..b", "default"),
+        ("_INBOX.a b", "default"),
+        ("_INBOX.a\n", "default"),
+        ("_INBOXES.a", "default"),
+        # a tenant names only its own inboxes, and the default tenant none of a tenant's
+        ("_INBOX.Tq3Xw2cX8mLh0cV5q1Yz7A", "acme"),
+        ("_INBOX_beta.Tq3Xw2cX8mLh0cV5q1Yz7A", "acme"),
+        ("_INBOX_acme.Tq3Xw2cX8mLh0cV5q1Yz7A", "default"),
+    ):
+        with pytest.raises(ValueError, match="a replica publishes progress only to an inbox"):
+            check_progress_subject(bad, tenant)

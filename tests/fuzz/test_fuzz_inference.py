@@ -27,7 +27,7 @@ from schemas.events import (
     WeightsReady,
 )
 from services.bus import Bus, EmbeddedNats
-from services.inference.requests import RequestFailed, check_request
+from services.inference.requests import RequestFailed, check_progress, check_request
 from services.inference.service import InferenceService
 from services.inference.torch_engine import TorchEngine
 
@@ -74,12 +74,14 @@ THROWN = st.one_of(
 
 def _bad_request(wire: Wire, engine: TorchEngine) -> bool:
     """A request the replica must answer with an error and report: on a subject with no usable
-    tenant, no GenerateRequest, or one this model cannot serve."""
+    tenant, no GenerateRequest, one this model cannot serve, or one naming a progress subject
+    outside its tenant's inboxes."""
     req = decodes(wire, GenerateRequest)
     if req is None or not tenant_ok(wire.subject):
         return True
     try:
         check_request(req, engine.vocab_size, engine.max_model_len)
+        check_progress(req, sj.tenant_of_subject(wire.subject))
     except RequestFailed:
         return True
     return False

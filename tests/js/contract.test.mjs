@@ -98,5 +98,6 @@ test('asyncapi.yaml is a valid AsyncAPI 3 document', async () => {
   assert.ok(addresses.includes('plexrl.rollouts.{run_id}'));
   assert.ok(addresses.includes('plexrl.inference.generate'));
   assert.ok(addresses.includes('plexrl.registry.list'));
-  assert.equal(document.operations().all().length, 38);
+  assert.ok(addresses.includes('{progress_subject}'));
+  assert.equal(document.operations().all().length, 40);
 });

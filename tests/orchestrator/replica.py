@@ -25,6 +25,7 @@ from schemas.codec import decode, encode
 from schemas.events import (
     Completion,
     FinishReason,
+    GenerateProgress,
     GenerateRequest,
     GenerateResponse,
     RolloutBatch,
@@ -74,6 +75,9 @@ class ScriptedReplica:
         self.refusals = 0
         self.errors: list[str] = []
         """error replies to send first, one per request, before answering normally"""
+        self.holds = 0
+        """requests to take, announce once on their progress_subject and never answer, as a
+        replica killed while holding them would"""
         self._subs: list[Any] = []
 
     async def start(self) -> ScriptedReplica:
@@ -104,6 +108,17 @@ class ScriptedReplica:
     async def _on_request(self, msg: Msg) -> None:
         request: GenerateRequest = decode(msg.data, GenerateRequest)
         self.requests.append(request)
+        if self.holds:
+            self.holds -= 1
+            if request.progress_subject is not None:
+                progress = GenerateProgress(
+                    request_id=request.request_id,
+                    run_id=request.run_id,
+                    replica="scripted",
+                    state="waiting_for_version",
+                )
+                await self.bus.nc.publish(request.progress_subject, encode(progress))
+            return
         if self.delay:
             await asyncio.sleep(self.delay)
         error = None

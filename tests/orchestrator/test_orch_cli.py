@@ -17,6 +17,8 @@ from schemas.events import EvictRequested
 from schemas.subjects import EVICT
 from services.bus import Bus, EmbeddedNats
 from services.cli import main
+from services.config import SettingsError, load_settings
+from services.orchestrator.settings import OrchestratorSettings
 from services.registry.service import Registry
 
 from .conftest import RUN, RegistryFactory, orch_config
@@ -177,3 +179,14 @@ async def test_eviction_exits_3_with_the_reason(
     await obus.publish(EVICT, request, msg_id=f"{RUN}/evict/test")
     assert await wait_exit(proc, 15) == 3
     assert f"{RUN} evicted: loss diverged at step 1" in (tmp_path / "orch0.err").read_text()
+
+
+def test_progress_every_s_is_a_setting_with_an_off_switch() -> None:
+    assert load_settings(OrchestratorSettings, environ={}).progress_every_s == 2.0
+    off = load_settings(OrchestratorSettings, environ={"PLEXRL_PROGRESS_EVERY_S": "0"})
+    assert off.progress_every_s == 0.0
+    flag = load_settings(OrchestratorSettings, overrides={"progress_every_s": 0.5}, environ={})
+    assert flag.progress_every_s == 0.5
+    for bad in ("0.05", "-1", "61"):
+        with pytest.raises(SettingsError, match="progress_every_s"):
+            load_settings(OrchestratorSettings, environ={"PLEXRL_PROGRESS_EVERY_S": bad})

@@ -141,3 +141,69 @@ async def test_one_warning_per_reason_not_one_per_request(
     retry_lines = [r for r in caplog.records if "inference answered: replica busy" in r.message]
     assert len(retry_lines) == 8
     assert [r.levelno for r in retry_lines].count(logging.WARNING) == 1
+
+
+# --- liveness of the replica holding a request ---------------------------------------------------
+
+
+async def test_a_replica_silent_after_progress_is_left_at_once(
+    obus: Bus, replica: ScriptedReplica, caplog: pytest.LogCaptureFixture
+) -> None:
+    replica.holds = 1  # takes the first attempt, says so once, then nothing: dead
+    client = GenerateClient(obus, timeout=600.0, progress_every_s=0.1)
+    caplog.set_level(logging.WARNING, logger="services.orchestrator.client")
+    response = await asyncio.wait_for(client.generate(_request()), 60)
+    assert response.error is None and len(response.completions[0]) == 2
+    assert len(replica.requests) == 2 and client.retries == 1
+    assert (client.progress_received, client.silent_replicas) == (1, 1)
+    inboxes = {r.progress_subject for r in replica.requests}
+    assert len(inboxes) == 2 and all(s and s.startswith("_INBOX.") for s in inboxes)
+    assert {r.progress_every_s for r in replica.requests} == {0.1}
+    (warning,) = [r.getMessage() for r in caplog.records if "went silent" in r.getMessage()]
+    assert warning.startswith("replica scripted went silent for ")
+    assert warning.endswith(f"while holding request {RUN}/step_0/prompt_0; retrying")
+
+
+async def test_silence_counts_against_max_attempts(obus: Bus, replica: ScriptedReplica) -> None:
+    replica.holds = 2
+    client = GenerateClient(obus, timeout=600.0, progress_every_s=0.1, max_attempts=2)
+    with pytest.raises(
+        GenerationError, match=r"giving up after 2 attempts; last: replica scripted"
+    ):
+        await asyncio.wait_for(client.generate(_request()), 60)
+
+
+async def test_no_progress_leaves_the_attempt_to_its_timeout(
+    obus: Bus, replica: ScriptedReplica
+) -> None:
+    """A replica that never sends progress (one older than the field) is not presumed dead."""
+    replica.delay = 3.0  # longer than the silence limit of 2.3 s, shorter than the timeout
+    client = GenerateClient(obus, timeout=10.0, progress_every_s=0.1)
+    response = await asyncio.wait_for(client.generate(_request()), 30)
+    assert response.error is None and client.retries == 0 and client.silent_replicas == 0
+    assert client.progress_received == 0 and len(replica.requests) == 1
+
+
+async def test_progress_off_sends_the_request_as_before(
+    obus: Bus, replica: ScriptedReplica
+) -> None:
+    client = GenerateClient(obus, timeout=5.0, progress_every_s=0)
+    assert (await client.generate(_request())).error is None
+    assert replica.requests[-1].progress_subject is None
+    with pytest.raises(ValueError, match="progress_every_s must be 0"):
+        GenerateClient(obus, timeout=5.0, progress_every_s=0.05)
+
+
+async def test_progress_inboxes_are_unsubscribed_after_each_request(
+    obus: Bus, replica: ScriptedReplica
+) -> None:
+    client = GenerateClient(obus, timeout=5.0, initial_backoff=0.01, progress_every_s=0.1)
+    await client.generate(_request())  # the connection's request inbox exists from here on
+    before = len(obus.nc._subs)
+    replica.errors = ["replica busy"] * 5  # retried attempts subscribe and unsubscribe too
+    await asyncio.gather(*(client.generate(_request()) for _ in range(20)))
+    replica.holds = 1
+    await client.generate(_request())  # an abandoned attempt too
+    assert client.silent_replicas == 1
+    assert len(obus.nc._subs) == before
+    assert len({r.progress_subject for r in replica.requests}) == len(replica.requests) == 28

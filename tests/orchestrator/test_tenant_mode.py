@@ -16,17 +16,28 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import nats
 import pytest
 from nats.js import api
 
 from schemas import subjects as sj
 from schemas.codec import decode
-from schemas.events import RolloutBatch, RunDiscovered, RunEvicted
-from schemas.tenant import inbox_prefix
+from schemas.events import (
+    GenerateRequest,
+    GenerateResponse,
+    RolloutBatch,
+    RunDiscovered,
+    RunEvicted,
+)
+from schemas.tenant import inbox_prefix, progress_inbox_prefix
 from services.bus import Bus, Follower, MessageMeta
 from services.bus.server import find_nats_server, free_port
 from services.config.tenants import TenantQuota, TenantsFile
+from services.inference.service import InferenceService
+from services.inference.torch_engine import TorchEngine
+from services.model.lora import DEFAULT_TARGET_MODULES
+from services.orchestrator.client import GenerateClient, GenerationError
 from services.orchestrator.lifecycle import RunRejected, RunRemoved, RunWatch, admit
 from services.orchestrator.run_loop import RunOrchestrator
 from services.orchestrator.state import last_published_step, read_progress
@@ -39,6 +50,7 @@ from .replica import ScriptedReplica, eventually, fake_weights
 
 RUN = "run_orch"
 PASSWORD = "pw"
+LORA_TARGETS = list(DEFAULT_TARGET_MODULES)
 
 
 def tenant_permissions(t: str) -> dict[str, Any]:
@@ -346,3 +358,44 @@ async def test_a_held_run_with_another_config_is_refused_for_a_tenant(
     submits = [s for s, _ in await stored(svc, sj.RUNS_STREAM) if s.endswith(".submit")]
     assert submits == ["plexrl.runs.acme.submit"]  # the refused config was never submitted
     assert acme.errors == []
+
+
+async def test_a_tenant_hears_progress_from_a_real_replica_and_only_in_its_own_inboxes(
+    broker: int, svc: Bus, acme: TenantConnection, tiny_dir: Path, out: Path
+) -> None:
+    """The replica (the services' user) publishes progress to acme's inbox, under
+    ``_INBOX_acme.``, the only inboxes acme's credentials may subscribe to; a request of acme's
+    that names any other progress subject is refused before anything is published."""
+    assert f"{progress_inbox_prefix('acme')}>" in (production_permissions("acme").subscribe or ())
+    rbus = await Bus.connect(url(broker), "inference")
+    engine = TorchEngine(tiny_dir, max_runs=2, max_lora_rank=8, target_modules=LORA_TARGETS)
+    service = InferenceService(rbus, engine, max_runs=2, replica_name="svc-replica", output_dir=out)
+    await service.start()
+    assert acme.bus is not None
+    try:
+        lora = {"model": {"lora": {"rank": 4, "alpha": 8.0}}}
+        discovered = RunDiscovered(run_id=RUN, idx=0, config=lora, tenant="acme")
+        await svc.publish(sj.runs_subject("discovered", "acme"), discovered)
+        client = GenerateClient(acme.bus, timeout=30.0, progress_every_s=0.1, max_attempts=1)
+        waiting = GenerateRequest(
+            request_id="acme-wait",
+            run_id=RUN,
+            prompts=[[1, 5, 6]],
+            max_tokens=3,
+            min_policy_version=1,  # never published: the replica waits its timeout_s
+            timeout_s=1.0,
+        )
+        with pytest.raises(GenerationError, match="asks for min_policy_version 1"):
+            await client.generate(waiting)
+        assert client.progress_received >= 4 and client.subject == "plexrl.inference.acme.generate"
+
+        forged = msgspec.structs.replace(
+            waiting, request_id="acme-forged", progress_subject="_INBOX.Tq3Xw2cX8mLh0cV5q1Yz7A"
+        )
+        refused = await acme.bus.request(client.subject, forged, GenerateResponse, timeout=10)
+        assert refused.error is not None
+        assert "only to an inbox of the requester, a subject under _INBOX_acme." in refused.error
+    finally:
+        await service.stop()
+        await rbus.close()
+    assert acme.errors == [], acme.errors
