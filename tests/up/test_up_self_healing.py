@@ -76,13 +76,15 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_up_restarts_a_killed_trainer_and_every_step_is_trained_once(tmp_path: Path) -> None:
+def _start_up(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    """``plexrl up`` with two runs of STEPS steps on an untrained tiny model: (process, output
+    dir, its log), once run_reverse has trained two steps (a first checkpoint)."""
     model = build_tiny_model(tmp_path / "model", seed=0)
     config = tmp_path / "up.toml"
     config.write_text(UP_CONFIG)
     out, log = tmp_path / "out", tmp_path / "up.log"
     argv = ["up", "--runs", "2", "--steps", str(STEPS), "--config", str(config)]
-    argv += ["--model", str(model), "--output-dir", str(out), "--no-live"]
+    argv += ["--model", str(model), "--output-dir", str(out), "--no-live", *flags]
     with open(log, "wb") as sink:
         up = subprocess.Popen(
             [sys.executable, "-m", "services", *argv],
@@ -90,22 +92,44 @@ def test_up_restarts_a_killed_trainer_and_every_step_is_trained_once(tmp_path: P
             stderr=subprocess.STDOUT,
             env=_clean_env(),
         )
+    deadline = time.monotonic() + 180
+    while len(_lines(out / "run_reverse" / "trainer_steps.jsonl")) < 2:
+        if up.poll() is not None or time.monotonic() > deadline:
+            _stop(up)
+            raise AssertionError(f"no checkpoint, or plexrl up exited early:\n{log.read_text()}")
+        time.sleep(0.2)
+    return up, out, log
+
+
+def _stop(up: subprocess.Popen[bytes]) -> None:
+    if up.poll() is None:
+        up.send_signal(signal.SIGTERM)  # plexrl up stops its children on the way out
+        up.wait(timeout=60)
+
+
+def _trainer_of(up: subprocess.Popen[bytes]) -> int:
+    (trainer,) = [p for p, cmd in _children(up.pid).items() if " services trainer " in cmd]
+    return trainer
+
+
+def _every_step_once(out: Path) -> None:
+    for run in RUNS:
+        metrics = [m["step"] for m in _lines(out / run / "metrics.jsonl")]
+        assert metrics == list(range(STEPS)), (run, metrics)
+        trained = [t["step"] for t in _lines(out / run / "trainer_steps.jsonl")]
+        assert sorted(trained) == list(range(STEPS)), (run, trained)  # each step once
+
+
+def test_up_restarts_a_killed_trainer_and_every_step_is_trained_once(tmp_path: Path) -> None:
+    up, out, log = _start_up(tmp_path)
     try:
-        deadline = time.monotonic() + 180
-        # a first checkpoint (steps 0 and 1 committed), so that the new trainer resumes from it
-        while len(_lines(out / "run_reverse" / "trainer_steps.jsonl")) < 2:
-            assert up.poll() is None, f"plexrl up exited early:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"no checkpoint:\n{log.read_text()}"
-            time.sleep(0.2)
-        (trainer,) = [p for p, cmd in _children(up.pid).items() if " services trainer " in cmd]
+        trainer = _trainer_of(up)
         os.kill(trainer, signal.SIGKILL)
         # the kill lands mid-run: the last steps can only be trained by the restarted trainer
         assert all(len(_lines(out / run / "trainer_steps.jsonl")) < STEPS for run in RUNS)
         up.wait(timeout=240)
     finally:
-        if up.poll() is None:
-            up.send_signal(signal.SIGTERM)  # plexrl up stops its children on the way out
-            up.wait(timeout=60)
+        _stop(up)
     said = log.read_text()
     assert up.returncode == 0, said
 
@@ -121,11 +145,7 @@ def test_up_restarts_a_killed_trainer_and_every_step_is_trained_once(tmp_path: P
     # from the checkpoint it found (steps 0 and 1 at least), not from scratch
     assert re.search(r"run_reverse on slot \d+ resumed at step [2-9]", after), after
 
-    for run in RUNS:
-        metrics = [m["step"] for m in _lines(out / run / "metrics.jsonl")]
-        assert metrics == list(range(STEPS)), (run, metrics)
-        trained = [t["step"] for t in _lines(out / run / "trainer_steps.jsonl")]
-        assert sorted(trained) == list(range(STEPS)), (run, trained)  # each step once
+    _every_step_once(out)
     summary = json.loads((out / "summary.json").read_text())
     assert {run: summary[run]["status"] for run in RUNS} == dict.fromkeys(RUNS, "done")
 
@@ -133,35 +153,16 @@ def test_up_restarts_a_killed_trainer_and_every_step_is_trained_once(tmp_path: P
 def test_up_kills_and_restarts_a_hung_trainer(tmp_path: Path) -> None:
     """A trainer that stops (SIGSTOP: alive, silent) misses its health pings, is killed as hung
     and restarted; the runs finish with every step trained once."""
-    model = build_tiny_model(tmp_path / "model", seed=0)
-    config = tmp_path / "up.toml"
-    config.write_text(UP_CONFIG)
-    out, log = tmp_path / "out", tmp_path / "up.log"
-    argv = ["up", "--runs", "2", "--steps", str(STEPS), "--config", str(config)]
-    argv += ["--model", str(model), "--output-dir", str(out), "--no-live"]
-    argv += ["--health-interval-s", "1", "--health-misses", "3"]
-    with open(log, "wb") as sink:
-        up = subprocess.Popen(
-            [sys.executable, "-m", "services", *argv],
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            env=_clean_env(),
-        )
+    up, out, log = _start_up(tmp_path, "--health-interval-s", "1", "--health-misses", "3")
+    trainer = 0
     try:
-        deadline = time.monotonic() + 180
-        while len(_lines(out / "run_reverse" / "trainer_steps.jsonl")) < 2:
-            assert up.poll() is None, f"plexrl up exited early:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"no step trained:\n{log.read_text()}"
-            time.sleep(0.2)
-        (trainer,) = [p for p, cmd in _children(up.pid).items() if " services trainer " in cmd]
+        trainer = _trainer_of(up)
         os.kill(trainer, signal.SIGSTOP)
         assert all(len(_lines(out / run / "trainer_steps.jsonl")) < STEPS for run in RUNS)
         up.wait(timeout=240)
     finally:
-        if up.poll() is None:
-            up.send_signal(signal.SIGTERM)
-            up.wait(timeout=60)
-        if _alive(trainer):
+        _stop(up)
+        if trainer and _alive(trainer):
             os.kill(trainer, signal.SIGKILL)
     said = log.read_text()
     assert up.returncode == 0, said
@@ -172,8 +173,4 @@ def test_up_kills_and_restarts_a_hung_trainer(tmp_path: Path) -> None:
     assert f"plexrl up: trainer (pid {trainer}) killed by SIGKILL; restarting it" in said, said
     assert re.search(r"plexrl up: trainer restarted \(pid \d+, restart 1\)", said), said
     assert not _alive(trainer)
-    for run in RUNS:
-        metrics = [m["step"] for m in _lines(out / run / "metrics.jsonl")]
-        assert metrics == list(range(STEPS)), (run, metrics)
-        trained = [t["step"] for t in _lines(out / run / "trainer_steps.jsonl")]
-        assert sorted(trained) == list(range(STEPS)), (run, trained)
+    _every_step_once(out)
