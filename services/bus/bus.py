@@ -20,12 +20,11 @@ import logging
 import math
 import ssl
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import urlparse
 
 import msgspec
-import nkeys
 from nats.aio.client import Client as NATS
 from nats.errors import ConnectionClosedError, NoServersError
 from nats.errors import TimeoutError as NatsTimeout
@@ -40,7 +39,10 @@ from schemas.tenant import DEFAULT_TENANT, inbox_prefix
 from services.bus import tracing
 from services.bus.errors import BusUnavailable, PayloadTooLarge
 from services.bus.limits import STREAM_SETTINGS, durable_write, full_as_error, stream_of
+from services.bus.outage import any_reachable, outage_hint
 from services.bus.provision import provision
+from services.bus.retry import Servers, with_backoff
+from services.bus.security import credentials, tls_context
 from services.config import ProcessSettings, process_settings
 from services.telemetry.metrics import record_invalid
 
@@ -50,67 +52,13 @@ T = TypeVar("T")
 LEADING_BYTES = 256
 
 
-async def _any_reachable(servers: list[str], timeout: float) -> bool:
-    for server in servers:
-        parsed = urlparse(server if "://" in server else f"nats://{server}")
-        host, port = parsed.hostname or "127.0.0.1", parsed.port or 4222
-        try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
-        except (OSError, TimeoutError):
-            continue
-        writer.close()
-        return True
-    return False
-
-
-def _credentials(path: Path) -> dict[str, Any]:
-    """``nats.connect`` arguments for an nkey seed file or a ``.creds`` file, checked first so a
-    wrong path or file is a clear error rather than a refused connection."""
-    where = f"NATS credentials {path} (PLEXRL_NATS_CREDS)"
-    try:
-        text = path.read_text(errors="replace")
-    except FileNotFoundError:
-        raise BusUnavailable(f"{where}: no such file") from None
-    except OSError as exc:
-        raise BusUnavailable(f"{where}: cannot be read: {exc}") from None
-    if "BEGIN NATS USER JWT" in text:
-        return {"user_credentials": str(path)}
-    try:
-        prefix, _ = nkeys.decode_seed(text.strip().encode())
-    except (nkeys.NkeysError, ValueError):
-        prefix = None
-    if prefix != nkeys.PREFIX_BYTE_USER:
-        raise BusUnavailable(
-            f"{where}: neither a user nkey seed (SU..., as `plexrl tenants add` writes) nor a "
-            ".creds file"
-        )
-    return {"nkeys_seed": str(path)}
-
-
-def _tls_context(settings: ProcessSettings) -> ssl.SSLContext | None:
-    """The client's TLS context from PLEXRL_TLS_CA / _CERT / _KEY; None when none is set."""
-    ca, cert, key = settings.tls_ca, settings.tls_cert, settings.tls_key
-    if ca is None and cert is None and key is None:
-        return None
-    if (cert is None) != (key is None):
-        raise BusUnavailable("TLS: set both PLEXRL_TLS_CERT and PLEXRL_TLS_KEY, or neither")
-    try:
-        context = ssl.create_default_context(cafile=str(ca) if ca is not None else None)
-        if cert is not None and key is not None:
-            context.load_cert_chain(str(cert), str(key))
-    except (OSError, ssl.SSLError) as exc:
-        files = ", ".join(str(p) for p in (ca, cert, key) if p is not None)
-        raise BusUnavailable(f"TLS: cannot use {files}: {exc}") from None
-    return context
-
-
 def connect_options(settings: ProcessSettings) -> dict[str, Any]:
     """The ``nats.connect`` arguments that say who this process is: credentials, TLS and the
     tenant's inbox prefix. :class:`BusUnavailable` for a file that cannot be used."""
     options: dict[str, Any] = {}
     if settings.nats_creds is not None:
-        options |= _credentials(Path(settings.nats_creds))
-    tls = _tls_context(settings)
+        options |= credentials(Path(settings.nats_creds))
+    tls = tls_context(settings)
     if tls is not None:
         options["tls"] = tls
     if settings.tenant != DEFAULT_TENANT:
@@ -190,7 +138,7 @@ async def _open(
     :class:`BusUnavailable` when the server refuses this client for good."""
     # nats-py retries a failed first connect forever when reconnects are unlimited, so probe
     # first: no server listening is an immediate, clear error instead of a hang.
-    if not await _any_reachable(servers, connect_timeout):
+    if not await any_reachable(servers, connect_timeout):
         raise _Unreachable(
             f"cannot reach NATS at {url}: nothing accepts connections there. {ADVICE}"
         )
@@ -263,11 +211,25 @@ async def _open(
 class Bus:
     """One NATS connection, its JetStream context, and the name of the service using it."""
 
-    def __init__(self, nc: NATS, service: str, fmt: Format = "json") -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        service: str,
+        fmt: Format = "json",
+        *,
+        servers: list[str] | None = None,
+        outage_wait: float = 0.0,
+    ) -> None:
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream()
         self.service = service
         self.fmt: Format = fmt
+        self.servers = list(servers or [])
+        """the servers this client was given (a cluster's several)"""
+        self.outage_wait = outage_wait
+        """seconds a JetStream operation waits while JetStream is unavailable (a cluster without
+        its quorum) past its quick retries: a service waits as long as it lasts (``math.inf``),
+        a client command not at all (see :meth:`until_available`)"""
         self.invalid_count = 0
         self._closing = False
         self._tracer = tracing.tracer(f"plexrl.{service}")
@@ -282,12 +244,15 @@ class Bus:
         provision_streams: bool = True,
         fmt: Format = "json",
         wait: float = 0.0,
+        outage_wait: float = 0.0,
     ) -> Bus:
         """Connect to ``url`` (comma-separated for a cluster) and provision streams and buckets.
 
         While no server answers, retry for up to ``wait`` seconds (0: fail at once), waiting
         0.25 s, then twice as long each time up to 5 s, and logging each wait. A server that
-        refuses the credentials or the TLS handshake is never retried.
+        refuses the credentials or the TLS handshake is never retried. ``outage_wait`` is how
+        long its JetStream operations wait while JetStream is unavailable once connected
+        (:attr:`outage_wait`).
         """
         servers = [u.strip() for u in url.split(",") if u.strip()]
         settings = process_settings()
@@ -315,7 +280,7 @@ class Bus:
                 delay, attempt = min(delay * 2, MAX_RETRY_DELAY), attempt + 1
         if attempt > 1:
             log.info("%s: connected to NATS at %s after %d attempts", service, url, attempt)
-        bus = cls(nc, service, fmt)
+        bus = cls(nc, service, fmt, servers=servers, outage_wait=outage_wait)
         closing.append(bus)
         # a tenant's credentials may not create or inspect streams: the services provision them
         if provision_streams and settings.tenant == DEFAULT_TENANT:
@@ -336,6 +301,37 @@ class Bus:
         except (TimeoutError, NatsTimeout, ConnectionClosedError):
             pass
         await self.nc.close()
+
+    # --- while JetStream is unavailable ----------------------------------------------------
+
+    async def outage_hint(self) -> Servers:
+        """What this client sees of its servers while JetStream does not answer, for the log."""
+        return await outage_hint(self.servers)
+
+    async def until_available(
+        self,
+        operation: Callable[[], Awaitable[T]],
+        what: str,
+        *,
+        outage_wait: float | None = None,
+    ) -> T:
+        """``await operation()`` (a JetStream call that is safe to repeat: a read, an ack, a
+        consumer lookup), tried again every 0.1 s, doubling up to 2 s, while it fails because
+        JetStream is unavailable (:func:`~services.bus.retry.unavailable`: no quorum, no
+        responders, a timeout), for up to ``outage_wait`` seconds (default
+        :attr:`outage_wait`). A wait of more than a moment is logged once as a warning naming
+        ``what``, and so is the resumption; every other error is raised at once."""
+        return await with_backoff(
+            operation,
+            attempts=1,
+            first_delay=0.1,
+            max_delay=2.0,
+            retry_on=(),
+            give_up=lambda: self.nc.is_closed,
+            outage_wait=self.outage_wait if outage_wait is None else outage_wait,
+            what=f"{self.service}: {what}",
+            hint=self.outage_hint,
+        )
 
     # --- publishing -----------------------------------------------------------------------
 
@@ -366,6 +362,7 @@ class Bus:
         timeout: float = 5.0,
         attempts: int = 20,
         full_wait: float = math.inf,
+        outage_wait: float | None = None,
     ) -> api.PubAck:
         """Publish ``event`` to a JetStream subject and wait for the stream's acknowledgement.
 
@@ -375,6 +372,9 @@ class Bus:
         is sent. While the stream (or the server's store) is full the publish waits, up to
         ``full_wait`` seconds, then raises :class:`~services.bus.errors.StorageFull`, which
         says which stream and what to do (see :func:`~services.bus.limits.durable_write`).
+        While JetStream is unavailable (a cluster without its quorum) it keeps trying past
+        ``attempts`` for up to ``outage_wait`` seconds (default :attr:`outage_wait`), saying so
+        once in the log.
         """
         fmt = fmt or self.fmt
         with self._tracer.start_as_current_span(
@@ -407,6 +407,8 @@ class Bus:
                 give_up=lambda: self.nc.is_closed,
                 on_retry=retrying,
                 full_wait=full_wait,
+                outage_wait=self.outage_wait if outage_wait is None else outage_wait,
+                hint=self.outage_hint,
             )
 
     async def request(
@@ -433,7 +435,12 @@ class Bus:
         """Publish an error report on ``plexrl.errors.<service>``; never raises."""
         try:
             await self.publish(
-                errors_subject(self.service), event, attempts=3, timeout=2.0, full_wait=0
+                errors_subject(self.service),
+                event,
+                attempts=3,
+                timeout=2.0,
+                full_wait=0,
+                outage_wait=0,
             )
         except Exception as exc:
             log.error("%s: could not report %s: %s", self.service, type(event).__name__, exc)

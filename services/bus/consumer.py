@@ -51,9 +51,18 @@ class Delivery:
     stream_sequence: int
     num_delivered: int
     context: otel_context.Context = field(default_factory=otel_context.Context)
+    bus: Bus | None = None
+    """the connection it came on: an ack waits on it while JetStream is unavailable"""
 
     async def ack(self) -> None:
-        await self.msg.ack_sync()
+        """Acknowledge, waiting for the server's confirmation; while JetStream is unavailable
+        (the consumer has no leader: a cluster without its quorum) for as long as the bus's
+        ``outage_wait`` allows. An ack repeated is harmless."""
+        if self.bus is None:
+            await self.msg.ack_sync()
+            return
+        what = f"acknowledging {self.subject} (stream sequence {self.stream_sequence})"
+        await self.bus.until_available(self.msg.ack_sync, what)
 
     async def nak(self, delay: float | None = None) -> None:
         await self.msg.nak(delay=delay)
@@ -74,7 +83,7 @@ def _pending(msgs: list[Msg]) -> int:
         return 0
 
 
-def _delivery(msg: Msg) -> Delivery:
+def _delivery(msg: Msg, bus: Bus | None = None) -> Delivery:
     headers = dict(msg.headers or {})
     seq, delivered = 0, 1
     try:
@@ -83,7 +92,7 @@ def _delivery(msg: Msg) -> Delivery:
         delivered = md.num_delivered or 1
     except Exception:  # a non-JetStream message has no metadata
         pass
-    return Delivery(msg, msg.subject, headers, seq, delivered, tracing.extract(headers))
+    return Delivery(msg, msg.subject, headers, seq, delivered, tracing.extract(headers), bus)
 
 
 class Consumer(Generic[T]):
@@ -124,9 +133,17 @@ class Consumer(Generic[T]):
         self._tracer = tracing.tracer(f"plexrl.{bus.service}")
 
     async def start(self) -> Consumer[T]:
+        """Create (or look up) the consumer and subscribe; while JetStream is unavailable this
+        waits as long as the bus's ``outage_wait`` allows."""
         if self._sub is None:
-            self._sub = await self.bus.js.pull_subscribe(
-                self.filter_subject, durable=self.durable, stream=self.stream, config=self.config
+            self._sub = await self.bus.until_available(
+                lambda: self.bus.js.pull_subscribe(
+                    self.filter_subject,
+                    durable=self.durable,
+                    stream=self.stream,
+                    config=self.config,
+                ),
+                f"creating consumer {self.durable or self.filter_subject} on {self.stream}",
             )
         return self
 
@@ -143,8 +160,12 @@ class Consumer(Generic[T]):
         """
         if self.durable is None or self._sub is not None:
             return 0
+        durable = self.durable
         try:
-            info = await self.bus.js.consumer_info(self.stream, self.durable)
+            info = await self.bus.until_available(
+                lambda: self.bus.js.consumer_info(self.stream, durable),
+                f"reading consumer {durable} of {self.stream}",
+            )
         except NotFoundError:
             return 0
         held = int(info.num_ack_pending or 0)
@@ -206,14 +227,14 @@ class Consumer(Generic[T]):
         for msg in await self._fetch_raw(
             batch or self.batch, self.fetch_timeout if timeout is None else timeout
         ):
-            delivery = _delivery(msg)
+            delivery = _delivery(msg, self.bus)
             event = await self._decode_or_reject(msg, delivery)
             if event is not None:
                 out.append((event, delivery))
         return out
 
     async def handle(self, msg: Msg, handler: Handler[T]) -> None:
-        delivery = _delivery(msg)
+        delivery = _delivery(msg, self.bus)
         remote = trace.get_current_span(delivery.context).get_span_context()
         with self._tracer.start_as_current_span(
             f"handle {msg.subject}",
@@ -250,7 +271,7 @@ class Consumer(Generic[T]):
                 )
                 await msg.nak(delay=min(30.0, 0.5 * delivery.num_delivered))
                 return
-            await msg.ack_sync()
+            await delivery.ack()
 
     async def run(self, handler: Handler[T], stop: asyncio.Event) -> None:
         """Fetch and handle messages until ``stop`` is set."""

@@ -122,16 +122,20 @@ class Follower(Generic[E]):
             config.deliver_policy = api.DeliverPolicy.BY_START_SEQUENCE
             config.opt_start_seq = max(1, int(start))
         named = self.tenant != DEFAULT_TENANT
-        if named:
-            config.name = _consumer_name()
-        sub = await self.bus.js.subscribe(
-            self.subject,
-            stream=self.stream,
-            cb=self._on_msg,
-            ordered_consumer=True,
-            idle_heartbeat=self.heartbeat,
-            config=config,
-        )
+
+        async def subscribe() -> Any:
+            if named:
+                config.name = _consumer_name()  # a try that landed took the previous one
+            return await self.bus.js.subscribe(
+                self.subject,
+                stream=self.stream,
+                cb=self._on_msg,
+                ordered_consumer=True,
+                idle_heartbeat=self.heartbeat,
+                config=config,
+            )
+
+        sub = await self.bus.until_available(subscribe, f"following {self.subject}")
         if named:
             _rename_on_reset(sub)
         self._sub = sub

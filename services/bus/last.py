@@ -42,14 +42,19 @@ async def last_message(
     """The last message of ``stream`` matching ``subject`` (wildcards allowed), or None.
 
     The default tenant reads with the stream's message-get API (answered by the stream leader,
-    so never stale); any other tenant through a one-message consumer.
+    so never stale; while JetStream is unavailable it waits as long as the bus's
+    ``outage_wait`` allows); any other tenant through a one-message consumer.
     """
     if tenant == DEFAULT_TENANT:
-        try:
-            raw = await bus.js.get_last_msg(stream, subject)
-        except NotFoundError:
-            return None
-        return StoredMessage(raw.data or b"", dict(raw.headers or {}), raw.seq or 0, raw.time)
+
+        async def get() -> StoredMessage | None:
+            try:
+                raw = await bus.js.get_last_msg(stream, subject)
+            except NotFoundError:
+                return None
+            return StoredMessage(raw.data or b"", dict(raw.headers or {}), raw.seq or 0, raw.time)
+
+        return await bus.until_available(get, f"reading the last message on {subject}")
     return await _through_consumer(bus, stream, subject, timeout)
 
 

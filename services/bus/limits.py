@@ -25,7 +25,7 @@ from nats.js.errors import APIError
 
 from schemas import subjects as sj
 from services.bus.errors import StorageFull
-from services.bus.retry import TRANSIENT, with_backoff
+from services.bus.retry import TRANSIENT, Hint, with_backoff
 from services.config import env_name
 
 log = logging.getLogger(__name__)
@@ -204,11 +204,15 @@ async def durable_write(
     retry_on: tuple[type[BaseException], ...] = TRANSIENT,
     on_retry: Callable[[BaseException, int, float], None] | None = None,
     full_wait: float = math.inf,
+    outage_wait: float = 0.0,
+    hint: Hint | None = None,
 ) -> T:
     """A write that must not be lost: transient failures retried ``attempts`` times with
-    backoff (:func:`~services.bus.retry.with_backoff`), and the whole of that tried again while
-    the store is full (:func:`wait_while_full`, up to ``full_wait`` seconds). ``operation``
-    raises :class:`StorageFull` for a full store (:func:`full_as_error`)."""
+    backoff (:func:`~services.bus.retry.with_backoff`), past them for up to ``outage_wait``
+    seconds while JetStream is unavailable (no quorum; a service waits as long as it lasts),
+    and the whole of that tried again while the store is full (:func:`wait_while_full`, up to
+    ``full_wait`` seconds). ``operation`` raises :class:`StorageFull` for a full store
+    (:func:`full_as_error`)."""
     return await wait_while_full(
         lambda: with_backoff(
             operation,
@@ -218,6 +222,9 @@ async def durable_write(
             retry_on=retry_on,
             give_up=give_up,
             on_retry=on_retry,
+            outage_wait=outage_wait,
+            what=what,
+            hint=hint,
         ),
         what=what,
         full_wait=full_wait,

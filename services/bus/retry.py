@@ -1,22 +1,34 @@
-"""Retrying an operation on the bus while the server is briefly away.
+"""Retrying an operation on the bus while the server is briefly away, or JetStream is down.
 
 A nats-server restarting, or a cluster electing a stream leader, fails requests for a few
 seconds with no responders, timeouts or a closed connection; the client reconnects by itself.
 Operations that are safe to repeat (a publish with a message id, a KV put of the same value, an
-object written again under its key) are tried again with a doubling pause instead of failing
-the service.
+object written again under its key, an ack) are tried again with a doubling pause instead of
+failing the service.
+
+A cluster that lost its quorum (two of three servers down) is the same to a client, for as
+long as the servers stay down: every JetStream request goes unanswered, or is refused with
+"JetStream system temporarily unavailable". :func:`unavailable` tells these errors apart from
+the rest; with an ``outage_wait``, :func:`with_backoff` keeps trying them past its ``attempts``
+for that long (a service: for as long as the loss lasts), saying once in the log that it waits
+and why, and once that it resumed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
+import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
-from nats.errors import ConnectionClosedError, NoRespondersError
+from nats.errors import ConnectionClosedError, ConnectionReconnectingError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
-from nats.js.errors import APIError, NoStreamResponseError
+from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 TRANSIENT: tuple[type[BaseException], ...] = (
@@ -34,6 +46,156 @@ IN_PROCESS = 10158
 the stream still proposes the first try with the same message id. Trying once more gets the
 first try's outcome (stored, or a duplicate of what is stored)."""
 
+CLUSTER_UNAVAILABLE = frozenset(
+    {
+        10008,  # JetStream system temporarily unavailable (no meta leader: no quorum)
+        10009,  # JetStream cluster can not handle request (not the leader, or no leader)
+        10118,  # stream is offline
+        IN_PROCESS,
+    }
+)
+"""JetStream error codes of a cluster that cannot answer now but will once it has a quorum."""
+
+STORE_FULL = frozenset({10077, 10023, 10047})
+"""Refusals that are a 503 too, but say a stream or the server's store is full: waiting for
+them is :func:`services.bus.limits.wait_while_full`'s, with its own message."""
+
+REPORT_AFTER = 2.0
+"""Seconds an operation fails with :func:`unavailable` errors before its wait is logged (a
+leader election is usually over sooner and goes unreported)."""
+
+STUCK_AFTER = 5.0
+"""Seconds one try may go unanswered before the servers are looked at: a request to a stream
+leader that lost its quorum may wait out its whole timeout (30 s for a chunk of an object), so
+a try that long, while most servers are unreachable, is reported as a wait at once."""
+
+
+@dataclass(frozen=True)
+class Servers:
+    """What a client sees of its servers while JetStream does not answer (:data:`Hint`)."""
+
+    says: str
+    """for the log: "JetStream has no quorum: only 1 of 3 NATS servers reachable ..." """
+    quorum_lost: bool
+    """a majority of the servers (or every one) is unreachable"""
+
+
+Hint = Callable[[], Awaitable[Servers]]
+"""Looks at the servers (:meth:`services.bus.Bus.outage_hint`)."""
+
+
+def unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` is JetStream not answering for now (a server restarting, a stream
+    electing a leader, a cluster without a quorum, the connection being re-established), as
+    opposed to an answer (not found, bad request, a full store) or a closed connection. An
+    error raised ``from`` such an error (a failed object write) is one too."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if _unavailable(exc):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__  # type: ignore[assignment]
+    return False
+
+
+def _unavailable(exc: BaseException) -> bool:
+    if isinstance(exc, APIError):
+        if exc.err_code in STORE_FULL:
+            return False
+        if exc.err_code in CLUSTER_UNAVAILABLE:
+            return True
+        # a 503 status without a JetStream error: no responders to a direct get or an API call
+        return isinstance(exc, ServiceUnavailableError) and exc.err_code is None
+    return isinstance(
+        exc,
+        NoRespondersError | NoStreamResponseError | TimeoutError | ConnectionReconnectingError,
+    )
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    if isinstance(exc, ServiceUnavailableError) and exc.err_code is None:
+        text = "503 no responders"  # nats-py's text for it ("not a JetStream message") misleads
+    name = type(exc).__name__
+    return f"{name}: {text}" if text else name
+
+
+class _Outage:
+    """One operation's wait for JetStream: reported once (when it has failed for
+    ``REPORT_AFTER`` seconds, or a try went unanswered for ``STUCK_AFTER`` seconds while most
+    servers are unreachable), and once more when the operation succeeds after that."""
+
+    def __init__(self, what: str, every: float, hint: Hint | None, started: float) -> None:
+        self.what, self.every, self.hint = what, every, hint
+        self.started = started
+        self.reported = False
+
+    @property
+    def lasted(self) -> float:
+        return time.monotonic() - self.started
+
+    async def servers(self) -> Servers:
+        unknown = Servers("JetStream is unavailable (no quorum, or no server reachable?)", False)
+        if self.hint is None:
+            return unknown
+        try:
+            return await self.hint()
+        except Exception as hint_failed:  # a hint is a courtesy: never fail the wait for it
+            log.debug("no hint about the servers: %s", hint_failed)
+            return unknown
+
+    async def report(self, exc: BaseException, limit: float) -> None:
+        if self.reported or self.lasted < REPORT_AFTER:
+            return
+        self.reported = True
+        seen = await self.servers()
+        log.warning(
+            "%s: %s; waiting %s, retrying every %gs (%s)",
+            self.what,
+            seen.says,
+            _bound(limit),
+            self.every,
+            _describe(exc),
+        )
+
+    async def report_stuck(self, limit: float) -> None:
+        if self.reported:
+            return
+        seen = await self.servers()
+        if not seen.quorum_lost:
+            return  # a slow answer (a big object, a busy server), not an outage
+        self.reported = True
+        log.warning(
+            "%s: %s; waiting %s (no answer for %.0fs yet)",
+            self.what,
+            seen.says,
+            _bound(limit),
+            self.lasted,
+        )
+
+    def resumed(self) -> None:
+        if self.reported:
+            log.warning("%s: JetStream answers again: resumed after %.1fs", self.what, self.lasted)
+
+
+def _bound(limit: float) -> str:
+    return "for as long as it lasts" if math.isinf(limit) else f"for up to {limit:.0f}s"
+
+
+async def _watched(
+    operation: Callable[[], Awaitable[T]], stuck: Callable[[], Awaitable[None]]
+) -> T:
+    """``await operation()``, calling ``stuck()`` once if it takes ``STUCK_AFTER`` seconds."""
+    task = asyncio.ensure_future(operation())
+    try:
+        done, _ = await asyncio.wait({task}, timeout=STUCK_AFTER)
+        if not done:
+            await stuck()
+        return await task
+    except BaseException:
+        task.cancel()  # cancelled while waiting: the try goes too
+        raise
+
 
 async def with_backoff(
     operation: Callable[[], Awaitable[T]],
@@ -44,25 +206,64 @@ async def with_backoff(
     retry_on: tuple[type[BaseException], ...] = TRANSIENT,
     give_up: Callable[[], bool] = lambda: False,
     on_retry: Callable[[BaseException, int, float], None] | None = None,
+    outage_wait: float = 0.0,
+    what: str = "",
+    hint: Hint | None = None,
 ) -> T:
     """``await operation()``, tried up to ``attempts`` times while it raises ``retry_on`` (or a
     JetStream :data:`IN_PROCESS` refusal), pausing ``first_delay`` seconds, then twice as long
     each time up to ``max_delay``.
 
+    With ``outage_wait`` (seconds, ``math.inf``: no bound), a failure that says JetStream is
+    :func:`unavailable` (no quorum, no responders, a timeout) is tried again past ``attempts``,
+    every ``max_delay`` seconds, until that long after the operation first failed. A wait that
+    lasts :data:`REPORT_AFTER` seconds is logged once as a warning naming ``what`` (and what
+    ``hint()`` says of the servers), and so is the operation's success after it. So is a try
+    that goes unanswered for :data:`STUCK_AFTER` seconds while ``hint()`` finds most servers
+    unreachable (a request to a leader without its quorum can wait out a long timeout).
+
     The last failure is raised, and so is one after which ``give_up()`` is true (the
     connection closed for good). ``on_retry(exc, attempt, pause)`` is told of each retry.
     """
     delay = first_delay
-    caught: tuple[type[BaseException], ...] = (*retry_on, APIError)
-    for attempt in range(1, attempts + 1):
+    outage: _Outage | None = None
+    attempt = 0
+    label = what or "a JetStream operation"
+    while True:
+        attempt += 1
+        started = time.monotonic()
+
+        async def stuck(since: float = started) -> None:
+            nonlocal outage
+            outage = outage or _Outage(label, max_delay, hint, since)
+            await outage.report_stuck(outage_wait)
+
         try:
-            return await operation()
-        except caught as exc:
+            if outage_wait > 0 and hint is not None:
+                result = await _watched(operation, stuck)
+            else:
+                result = await operation()
+        except Exception as exc:
             in_process = isinstance(exc, APIError) and exc.err_code == IN_PROCESS
-            if not (in_process or isinstance(exc, retry_on)) or attempt == attempts or give_up():
+            retryable = in_process or isinstance(exc, retry_on)
+            waits = outage_wait > 0 and unavailable(exc)
+            if not (retryable or waits) or give_up():
                 raise
-            if on_retry is not None:
+            if waits:
+                outage = outage or _Outage(label, max_delay, hint, started)
+                if outage.lasted >= outage_wait:
+                    raise
+                await outage.report(exc, outage_wait)
+            elif attempt >= attempts:
+                raise
+            if attempt >= attempts:
+                delay = max_delay  # past the quick retries: steady tries while the loss lasts
+            if on_retry is not None and (outage is None or not outage.reported):
                 on_retry(exc, attempt, delay)
-            await asyncio.sleep(delay)
+            pause = delay if outage is None else min(delay, outage_wait - outage.lasted)
+            await asyncio.sleep(max(pause, 0.0))
             delay = min(delay * 2, max_delay)
-    raise AssertionError("unreachable: attempts must be at least 1")
+            continue
+        if outage is not None:
+            outage.resumed()
+        return result

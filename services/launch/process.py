@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any
@@ -77,7 +78,10 @@ async def _connected(
     serve: Serve, url: str, name: str, signals: bool, wait: float, health: str | None = None
 ) -> int:
     stop = stop_on_signals() if signals else asyncio.Event()
-    bus = await Bus.connect(url, name, wait=wait)
+    # a service waits out a JetStream outage (a cluster without its quorum), saying so in its
+    # log; a client command fails after its quick retries instead
+    outage_wait = math.inf if health is not None else 0.0
+    bus = await Bus.connect(url, name, wait=wait, outage_wait=outage_wait)
     try:
         announced = await announce(bus, health) if health is not None else None
         try:

@@ -57,6 +57,8 @@ async def write_progress(bus: Bus, run_id: str, progress: Progress) -> int:
         max_delay=2.0,
         give_up=lambda: bus.nc.is_closed,
         on_retry=retrying,
+        outage_wait=bus.outage_wait,
+        hint=bus.outage_hint,
     )
 
 
@@ -64,13 +66,16 @@ async def read_progress(bus: Bus, run_id: str) -> Progress | None:
     """``run_id``'s latest progress, or None if the trainer has written none (or it was deleted).
 
     Raises :class:`~schemas.codec.DecodeError` for a value that is not a Progress record.
+    While JetStream is unavailable it waits as long as the bus's ``outage_wait`` allows.
     """
     validate_run_id(run_id)
     kv = await bucket(bus, KV_PROGRESS)
-    try:
-        entry = await kv.get(run_id)
-    except (KeyNotFoundError, KeyDeletedError):
-        return None
-    if entry.value is None:
-        return None
-    return decode(entry.value, Progress)
+
+    async def get() -> bytes | None:
+        try:
+            return (await kv.get(run_id)).value
+        except (KeyNotFoundError, KeyDeletedError):
+            return None
+
+    value = await bus.until_available(get, f"reading the progress of {run_id}")
+    return None if value is None else decode(value, Progress)

@@ -37,13 +37,18 @@ class RunListFailed(RuntimeError):
 
 
 async def read_record(bus: Bus, run_id: str) -> RunRecord | None:
-    """``run_id``'s record, or None if the table has none (DecodeError if unreadable)."""
+    """``run_id``'s record, or None if the table has none (DecodeError if unreadable). While
+    JetStream is unavailable it waits as long as the bus's ``outage_wait`` allows."""
     kv = await bucket(bus, KV_REGISTRY)
-    try:
-        entry = await kv.get(run_id)
-    except (KeyNotFoundError, KeyDeletedError):
-        return None
-    return decode(entry.value, RunRecord) if entry.value else None
+
+    async def get() -> bytes | None:
+        try:
+            return (await kv.get(run_id)).value
+        except (KeyNotFoundError, KeyDeletedError):
+            return None
+
+    value = await bus.until_available(get, f"reading the run table's record of {run_id}")
+    return decode(value, RunRecord) if value else None
 
 
 async def read_table(kv: KeyValue, revisions: dict[str, int] | None = None) -> dict[str, RunRecord]:

@@ -89,13 +89,18 @@ class ObjectStoreSender:
             retry_on=(BlobError, nats.errors.Error),
             give_up=lambda: self.bus.nc.is_closed,
             on_retry=retrying,
+            outage_wait=self.bus.outage_wait,
+            hint=self.bus.outage_hint,
         )
 
     async def stored(self, run_id: str, *, tenant: str = DEFAULT_TENANT) -> set[int]:
-        prefix = f"{run_id}/step_"
+        prefix, bucket = f"{run_id}/step_", weights_bucket(tenant)
+        keys = await self.bus.until_available(
+            lambda: list_keys(self.bus, bucket=bucket), f"listing the weights in {bucket}"
+        )
         return {
             int(key.removeprefix(prefix))
-            for key in await list_keys(self.bus, bucket=weights_bucket(tenant))
+            for key in keys
             if key.startswith(prefix) and key.removeprefix(prefix).isdigit()
         }
 
@@ -128,25 +133,38 @@ class ObjectStoreFetcher:
         tenant: str = DEFAULT_TENANT,
     ) -> dict[str, Tensor]:
         where = f"weights for {event.run_id} step {event.step}"
-        decoder = StreamDecoder(where, event.size_bytes, event.digest, destination)
+        touched = False
+
+        async def read() -> StreamDecoder:
+            nonlocal touched
+            decoder = StreamDecoder(where, event.size_bytes, event.digest, destination)
+            try:
+                await stream_blob(
+                    self.bus,
+                    event.location,
+                    decoder.feed,
+                    expected_size=event.size_bytes,
+                    expected_digest=event.digest,
+                    bucket=weights_bucket(tenant),
+                )
+            except BaseException:
+                decoder.abandon()
+                touched = touched or decoder.touched
+                raise
+            return decoder
+
         try:
-            await stream_blob(
-                self.bus,
-                event.location,
-                decoder.feed,
-                expected_size=event.size_bytes,
-                expected_digest=event.digest,
-                bucket=weights_bucket(tenant),
-            )
+            # read again from the start while JetStream is unavailable (a cluster without its
+            # quorum), for as long as the bus's outage_wait allows
+            decoder = await self.bus.until_available(read, f"reading {where}")
         except BaseException as exc:
-            decoder.abandon()
             if isinstance(exc, nats.errors.Error):
                 raise WeightsError(
                     f"{where}: reading {event.location!r} failed: {type(exc).__name__}: {exc}",
-                    touched=decoder.touched,
+                    touched=touched,
                 ) from exc
             if isinstance(exc, BlobError | ValueError):
-                raise WeightsError(f"{where}: {exc}", touched=decoder.touched) from exc
+                raise WeightsError(f"{where}: {exc}", touched=touched) from exc
             raise
         # Off the event loop: the rest of the digest may still be hashing.
         return await asyncio.to_thread(decoder.finish)

@@ -78,7 +78,8 @@ async def test_sigkill_trainer_every_replica_loads_the_next_versions(
     assert fault.restarted_wall is not None
     for i in range(2):
         loads = replica_loads(system.procs[f"inference-{i}"].log)
-        for run_id in RUNS:
+        # the run the kill waited for is mid-way at the restart; the other may have finished
+        for run_id in [fault.run]:
             after = [v for t, r, v in loads if r == run_id and t >= fault.restarted_wall]
             before = [v for t, r, v in loads if r == run_id and t < fault.restarted_wall]
             assert after, f"inference-{i} loaded no version of {run_id} after the restart: {loads}"
