@@ -46,8 +46,6 @@ class Watchdog:
     """pids that answered at least once"""
     missed: dict[int, int] = field(default_factory=dict)
     """pid -> rounds missed in a row"""
-    killed: list[str] = field(default_factory=list)
-    """one line per child killed as hung"""
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0 or self.misses < 1 or self.timeout_s <= 0:
@@ -76,16 +74,16 @@ class Watchdog:
         if not self.bus.nc.is_connected:
             return
         children = [c for c in self.supervisor.children if _running(c)]
-        timeout = min(self.timeout_s, self.interval_s)
+        timeout, host = min(self.timeout_s, self.interval_s), this_host()
         answers = await asyncio.gather(
-            *(ping(self.bus.nc, c.name, this_host(), timeout, pid=c.pid) for c in children)
+            *(ping(self.bus.nc, c.name, host, timeout, pid=c.pid) for c in children)
         )
         if not self.bus.nc.is_connected:  # lost while waiting: the silence proves nothing
             return
         for child, got in zip(children, answers, strict=True):
             pid = child.pid
             assert pid is not None
-            if any(a.pid == str(pid) and a.host == this_host() for a in got):
+            if got and got[-1].pid == str(pid) and got[-1].host == host:  # ping's match is last
                 self.answered.add(pid)
                 self.missed.pop(pid, None)
                 continue
@@ -101,7 +99,6 @@ class Watchdog:
             f"{child.name} (pid {child.pid}) did not answer {missed} health pings in a row "
             f"({self.interval_s:g} s apart): hung, or cut off from NATS; killing it"
         )
-        self.killed.append(line)
         self.notify(line)
         self.missed.pop(child.proc.pid, None)
         child.proc.send_signal(signal.SIGKILL)
