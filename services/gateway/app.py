@@ -15,11 +15,12 @@ import json
 import logging
 import socket
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
 
 from services.gateway.backend import Backend, GatewayError
 from services.gateway.futures import Futures
@@ -28,6 +29,8 @@ from services.gateway.settings import GatewaySettings
 from services.gateway.text import TextCodec
 
 log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class Gateway:
@@ -76,6 +79,16 @@ async def read_json(request: Request) -> dict[str, Any]:
     return value
 
 
+def parse_body(model: type[M], body: dict[str, Any]) -> M:
+    """``body`` read as ``model``; a 400 naming the first field that does not fit."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise GatewayError(400, f"invalid request: {where}: {first['msg']}") from exc
+
+
 def build_app(gateway: Gateway) -> FastAPI:
     """The FastAPI app of ``gateway``: OpenAI and Tinker routes, and their error shapes."""
     from services.gateway.openai_api import openai_error
@@ -110,6 +123,15 @@ def build_app(gateway: Gateway) -> FastAPI:
         if request.url.path.startswith("/api/"):
             return tinker_error(405, message)
         return openai_error(405, message, "method_not_allowed")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # a bug, not bad input (that is a GatewayError): still answered in the route's shape
+        log.error("gateway: %s %s failed: %r", request.method, request.url.path, exc)
+        message = f"internal error: {type(exc).__name__}: {exc}"
+        if request.url.path.startswith("/api/"):
+            return tinker_error(500, message)
+        return openai_error(500, message, "internal_error")
 
     @app.get("/healthz")
     async def _health() -> dict[str, str]:

@@ -21,10 +21,10 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from schemas.events import Completion
-from services.gateway.app import Gateway, gateway_of, read_json
+from services.gateway.app import Gateway, gateway_of, parse_body, read_json
 from services.gateway.backend import GatewayError, ModelRef
 from services.gateway.observe import note_run
 from services.gateway.text import TextCodec
@@ -88,15 +88,6 @@ class ChatRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     max_completion_tokens: int | None = Field(None, ge=1)
-
-
-def _parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "body"
-        raise GatewayError(400, f"invalid request: {where}: {first['msg']}") from exc
 
 
 def _limits(gateway: Gateway, max_tokens: int | None, n: int) -> int:
@@ -209,7 +200,7 @@ async def list_models(request: Request) -> dict[str, Any]:
 @router.post("/completions")
 async def completions(request: Request) -> Response:
     gateway = gateway_of(request)
-    req: CompletionRequest = _parse(CompletionRequest, await read_json(request))
+    req: CompletionRequest = parse_body(CompletionRequest, await read_json(request))
     if req.echo:
         raise GatewayError(400, "echo is not supported: the prompt is not scored")
     max_tokens = _limits(gateway, req.max_tokens, req.n)
@@ -255,7 +246,7 @@ def _pieces(codec: TextCodec, choice: _Choice) -> list[str]:
 @router.post("/chat/completions")
 async def chat_completions(request: Request) -> Response:
     gateway = gateway_of(request)
-    req: ChatRequest = _parse(ChatRequest, await read_json(request))
+    req: ChatRequest = parse_body(ChatRequest, await read_json(request))
     max_tokens = _limits(gateway, req.max_completion_tokens or req.max_tokens, req.n)
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     prompts = [gateway.codec.chat_ids(messages)]

@@ -30,10 +30,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from services.gateway import wire
-from services.gateway.app import Gateway, gateway_of, read_json
+from services.gateway.app import Gateway, gateway_of, parse_body, read_json
 from services.gateway.backend import GatewayError, ModelRef
 from services.gateway.futures import Outcome
 from services.gateway.observe import note_run
+from services.gateway.tinker_bodies import FutureBody, SampleBody, SamplingSessionBody
 
 router = APIRouter(prefix="/api/v1")
 
@@ -149,8 +150,8 @@ async def get_server_capabilities(request: Request) -> dict[str, Any]:
 @router.post("/create_sampling_session")
 async def create_sampling_session(request: Request) -> dict[str, Any]:
     gateway = gateway_of(request)
-    body = await read_json(request)
-    ref = await model_path_ref(gateway, body.get("model_path"), body.get("base_model"))
+    body = parse_body(SamplingSessionBody, await read_json(request))
+    ref = await model_path_ref(gateway, body.model_path, body.base_model)
     return {"type": "create_sampling_session", "sampling_session_id": sampler_id(ref)}
 
 
@@ -166,15 +167,12 @@ async def get_sampler(request: Request, session_id: str) -> dict[str, Any]:
     }
 
 
-def _prompt_tokens(body: dict[str, Any]) -> list[int]:
-    chunks = (body.get("prompt") or {}).get("chunks") or []
+def _prompt_tokens(body: SampleBody) -> list[int]:
     tokens: list[int] = []
-    for chunk in chunks:
-        if chunk.get("type", "encoded_text") != "encoded_text":
-            raise GatewayError(
-                400, f"prompt chunks of type {chunk.get('type')!r} are not supported"
-            )
-        tokens.extend(int(t) for t in chunk.get("tokens", []))
+    for chunk in body.prompt.chunks:
+        if chunk.type != "encoded_text":
+            raise GatewayError(400, f"prompt chunks of type {chunk.type!r} are not supported")
+        tokens.extend(chunk.tokens)
     if not tokens:
         raise GatewayError(400, "the prompt is empty")
     return tokens
@@ -195,39 +193,28 @@ def _stopped(ids: list[int], stops: list[Any], gateway: Gateway) -> int:
     return len(ids)
 
 
-async def _sample(gateway: Gateway, ref: ModelRef, body: dict[str, Any]) -> Outcome:
-    params = body.get("sampling_params") or {}
-    if (
-        body.get("prompt_logprobs")
-        or body.get("topk_prompt_logprobs")
-        or body.get("topk_sample_logprobs")
-    ):
+async def _sample(gateway: Gateway, ref: ModelRef, body: SampleBody) -> Outcome:
+    params = body.sampling_params
+    if body.prompt_logprobs or body.topk_prompt_logprobs or body.topk_sample_logprobs:
         raise GatewayError(400, "prompt logprobs and top-k logprobs are not supported by plexrl")
-    if params.get("top_k", -1) not in (-1, 0):
+    if params.top_k not in (-1, 0):
         raise GatewayError(400, "top_k sampling is not supported by plexrl (use top_p)")
     prompt = _prompt_tokens(body)
     try:
         gateway.codec.check_ids(prompt)
     except ValueError as exc:
         raise GatewayError(400, str(exc)) from exc
-    n = int(body.get("num_samples", 1))
-    max_tokens = params.get("max_tokens") or gateway.settings.max_tokens
-    if not 1 <= n <= gateway.settings.max_samples or max_tokens > gateway.settings.max_tokens:
-        raise GatewayError(
-            400,
-            f"num_samples must be 1..{gateway.settings.max_samples} and max_tokens at most "
-            f"{gateway.settings.max_tokens}",
-        )
+    n, max_tokens = _sample_limits(gateway, body)
     answer = await gateway.backend.generate(
         ref,
         [prompt],
         n=n,
-        max_tokens=int(max_tokens),
-        temperature=float(params.get("temperature", 1.0)),
-        top_p=float(params.get("top_p", 1.0)),
-        seed=params.get("seed"),
+        max_tokens=max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        seed=params.seed,
     )
-    stops = params.get("stop")
+    stops = params.stop
     stops = [stops] if isinstance(stops, str | int) else list(stops or [])
     sequences: list[tuple[list[int], list[float], str]] = []
     for c in answer.completions[0]:
@@ -240,21 +227,33 @@ async def _sample(gateway: Gateway, ref: ModelRef, body: dict[str, Any]) -> Outc
     return Outcome(proto=wire.encode_sample_response(sequences))
 
 
+def _sample_limits(gateway: Gateway, body: SampleBody) -> tuple[int, int]:
+    """The number of samples and the token budget of a sample request, checked."""
+    n, max_tokens = body.num_samples, body.sampling_params.max_tokens or gateway.settings.max_tokens
+    if not 1 <= n <= gateway.settings.max_samples or max_tokens > gateway.settings.max_tokens:
+        raise GatewayError(
+            400,
+            f"num_samples must be 1..{gateway.settings.max_samples} and max_tokens at most "
+            f"{gateway.settings.max_tokens}",
+        )
+    return n, max_tokens
+
+
 @router.post("/asample")
 async def asample(request: Request) -> dict[str, Any]:
     gateway = gateway_of(request)
-    body = await read_json(request)
-    session = body.get("sampling_session_id")
-    if session:
-        ref = await sampler_ref(gateway, str(session))
-        seq = body.get("seq_id")
+    body = parse_body(SampleBody, await read_json(request))
+    n, _ = _sample_limits(gateway, body)
+    if body.sampling_session_id:
+        session = body.sampling_session_id
+        ref = await sampler_ref(gateway, session)
+        seq = body.seq_id
         request_id = f"sample:{session}:{seq}" if seq is not None else f"sample:{uuid.uuid4().hex}"
     else:
-        ref = await model_path_ref(gateway, body.get("model_path"), body.get("base_model"))
+        ref = await model_path_ref(gateway, body.model_path, body.base_model)
         request_id = f"sample:{uuid.uuid4().hex}"
     note_run(request, ref.run_id)
     gateway.futures.start(request_id, lambda: _sample(gateway, ref, body))
-    n = int(body.get("num_samples", 1))
     return {
         "request_id": request_id,
         "sample_sequence_ids": [f"{request_id}/{i}" for i in range(n)],
@@ -267,8 +266,7 @@ async def asample(request: Request) -> dict[str, Any]:
 @router.post("/retrieve_future")
 async def retrieve_future(request: Request) -> Response:
     gateway = gateway_of(request)
-    body = await read_json(request)
-    request_id = str(body.get("request_id", ""))
+    request_id = parse_body(FutureBody, await read_json(request)).request_id
     try:
         outcome = await gateway.futures.wait(request_id, gateway.settings.poll_s)
     except KeyError:

@@ -21,6 +21,7 @@ import re
 import uuid
 from typing import Any
 
+import msgspec
 from fastapi import APIRouter, Request
 
 from schemas.training import (
@@ -38,11 +39,18 @@ from schemas.training import (
     SaveWeightsResult,
 )
 from services.gateway import wire
-from services.gateway.app import gateway_of, read_body, read_json
+from services.gateway.app import gateway_of, parse_body, read_body, read_json
 from services.gateway.backend import RUN_ID, GatewayError, ModelRef, commands_config
 from services.gateway.futures import Outcome
 from services.gateway.observe import note_run
 from services.gateway.tinker_api import check_base, sampler_id, sampler_path
+from services.gateway.tinker_bodies import (
+    CreateModelBody,
+    LoadWeightsBody,
+    ModelBody,
+    OptimStepBody,
+    SaveWeightsBody,
+)
 
 router = APIRouter(prefix="/api/v1")
 
@@ -57,10 +65,10 @@ def run_id_for(session_id: str, model_seq_id: int) -> str:
     return f"run_tk_{digest[:20]}"
 
 
-def _model_id(body: dict[str, Any]) -> str:
+def _model_id(model_id: str | None) -> str:
     """The run a request's ``model_id`` names: the run id ``create_model`` answered, or the id
     the SDK derives itself (``<session>:train:<model_seq_id>``) for the same run."""
-    model_id = str(body.get("model_id") or "")
+    model_id = model_id or ""
     session, _, seq = model_id.rpartition(":train:")
     if session and seq.isdigit():
         return run_id_for(session, int(seq))
@@ -69,11 +77,10 @@ def _model_id(body: dict[str, Any]) -> str:
     return model_id
 
 
-def _future_id(kind: str, model_id: str, body: dict[str, Any]) -> str:
-    seq = body.get("seq_id")
+def _future_id(kind: str, model_id: str, seq: int | None) -> str:
     if seq is None:
         return f"{kind}:{model_id}:{uuid.uuid4().hex}"
-    return f"{kind}:{model_id}:{int(seq)}"
+    return f"{kind}:{model_id}:{seq}"
 
 
 # The SDK combines the metrics of a call's chunks by the reduction each key names after a colon
@@ -91,29 +98,29 @@ def _refused(error: str | None) -> None:
 @router.post("/create_model")
 async def create_model(request: Request) -> dict[str, Any]:
     gateway = gateway_of(request)
-    body = await read_json(request)
-    check_base(gateway, body.get("base_model"))
-    lora = body.get("lora_config")
-    if not isinstance(lora, dict):
+    body = parse_body(CreateModelBody, await read_json(request))
+    check_base(gateway, body.base_model)
+    lora = body.lora_config
+    if lora is None:
         raise GatewayError(400, "plexrl trains LoRA adapters: create_model needs a lora_config")
-    left_out = [k for k in ("train_mlp", "train_attn", "train_unembed") if lora.get(k) is False]
+    left_out = [k for k in ("train_mlp", "train_attn", "train_unembed") if not getattr(lora, k)]
     if left_out:
         raise GatewayError(
             400,
             f"{', '.join(left_out)} = False: plexrl trains the LoRA targets the trainer was "
             "started with (--target-modules) for every run",
         )
-    optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
+    optimizer = body.optimizer_config.type if body.optimizer_config else "adamw"
     if optimizer != "adamw":
         raise GatewayError(400, f"optimizer {optimizer!r} is not supported; plexrl uses AdamW")
-    run_id = run_id_for(str(body.get("session_id", "")), int(body.get("model_seq_id", 0)))
+    run_id = run_id_for(body.session_id, body.model_seq_id)
     config: dict[str, Any] = {
         "env": "reverse",
         "max_steps": 10_000_000,
-        "model": {"lora": {"rank": int(lora.get("rank", 32)), "alpha": LORA_ALPHA}},
+        "model": {"lora": {"rank": lora.rank, "alpha": LORA_ALPHA}},
     }
-    if lora.get("seed") is not None:
-        config["seed"] = int(lora["seed"])
+    if lora.seed is not None:
+        config["seed"] = lora.seed
 
     async def work() -> Outcome:
         row = await gateway.backend.run(run_id)
@@ -129,7 +136,7 @@ async def create_model(request: Request) -> dict[str, Any]:
 @router.post("/get_info")
 async def get_info(request: Request) -> dict[str, Any]:
     gateway = gateway_of(request)
-    model_id = _model_id(await read_json(request))
+    model_id = _model_id(parse_body(ModelBody, await read_json(request)).model_id)
     note_run(request, model_id)
     row = await gateway.backend.run(model_id)
     if row is None or row.status != "active":
@@ -171,7 +178,7 @@ async def forward_backward(request: Request) -> dict[str, Any]:
         )
     except wire.WireError as exc:
         raise GatewayError(400, f"forward_backward: not a ForwardBackwardRequest: {exc}") from exc
-    model_id = _model_id({"model_id": req.model_id})
+    model_id = _model_id(req.model_id)
     note_run(request, model_id)
     kind = "forward" if req.forward_only else "forward_backward"
 
@@ -197,7 +204,7 @@ async def forward_backward(request: Request) -> dict[str, Any]:
         metrics = {k if ":" in k else f"{k}:mean": v for k, v in result.metrics.items()}
         return Outcome(proto=wire.encode_forward_backward_output(result.loss_fn_outputs, metrics))
 
-    request_id = _future_id(kind, model_id, {"seq_id": req.seq_id or None})
+    request_id = _future_id(kind, model_id, req.seq_id or None)
     gateway.futures.start(request_id, work, order=model_id)
     return {"request_id": request_id, "model_id": model_id}
 
@@ -205,43 +212,42 @@ async def forward_backward(request: Request) -> dict[str, Any]:
 @router.post("/optim_step")
 async def optim_step(request: Request) -> dict[str, Any]:
     gateway = gateway_of(request)
-    body = await read_json(request)
-    model_id = _model_id(body)
+    body = parse_body(OptimStepBody, await read_json(request))
+    model_id = _model_id(body.model_id)
     note_run(request, model_id)
-    params = body.get("adam_params")
-    if not isinstance(params, dict):
+    if body.adam_params is None:
         raise GatewayError(400, "plexrl steps AdamW: optim_step needs adam_params")
     fields = set(AdamParams.__struct_fields__)
-    adam = {k: float(v) for k, v in params.items() if k in fields}
+    try:
+        adam = msgspec.convert(
+            {k: v for k, v in body.adam_params.items() if k in fields}, AdamParams
+        )
+    except msgspec.ValidationError as exc:
+        raise GatewayError(400, f"adam_params: {exc}") from exc
 
     async def work() -> Outcome:
-        try:
-            adam_params = AdamParams(**adam)
-            command = OptimStepRequest(request_id=rid, run_id=model_id, adam_params=adam_params)
-        except (TypeError, ValueError) as exc:
-            raise GatewayError(400, f"adam_params: {exc}") from exc
+        command = OptimStepRequest(request_id=rid, run_id=model_id, adam_params=adam)
         result = await gateway.backend.train("optim_step", command, OptimStepResult)
         _refused(result.error)
         return Outcome(body={"metrics": result.metrics, "type": "optim_step"})
 
-    rid = _future_id("optim_step", model_id, body)
+    rid = _future_id("optim_step", model_id, body.seq_id)
     gateway.futures.start(rid, work, order=model_id)
     return {"request_id": rid, "model_id": model_id}
 
 
-def _name(body: dict[str, Any], default: str) -> str:
-    path = str(body.get("path") or "")
-    return _NAME.sub("_", path)[:128] or default
+def _name(path: str | None, default: str) -> str:
+    return _NAME.sub("_", path or "")[:128] or default
 
 
 @router.post("/save_weights_for_sampler")
 async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
     gateway = gateway_of(request)
-    body = await read_json(request)
-    model_id = _model_id(body)
+    body = parse_body(SaveWeightsBody, await read_json(request))
+    model_id = _model_id(body.model_id)
     note_run(request, model_id)
-    wants_session = not body.get("path") and body.get("sampling_session_seq_id") is not None
-    name = _name(body, "sampler")
+    wants_session = not body.path and body.sampling_session_seq_id is not None
+    name = _name(body.path, "sampler")
 
     async def work() -> Outcome:
         command = SaveWeightsRequest(request_id=rid, run_id=model_id, kind="sampler", name=name)
@@ -255,7 +261,7 @@ async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
             out["sampling_session_id"] = sampler_id(ModelRef(model_id, result.step))
         return Outcome(body=out)
 
-    rid = _future_id("save_weights_for_sampler", model_id, body)
+    rid = _future_id("save_weights_for_sampler", model_id, body.seq_id)
     gateway.futures.start(rid, work, order=model_id)
     return {"request_id": rid, "model_id": model_id}
 
@@ -263,10 +269,10 @@ async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
 @router.post("/save_weights")
 async def save_weights(request: Request) -> dict[str, Any]:
     gateway = gateway_of(request)
-    body = await read_json(request)
-    model_id = _model_id(body)
+    body = parse_body(SaveWeightsBody, await read_json(request))
+    model_id = _model_id(body.model_id)
     note_run(request, model_id)
-    name = _name(body, "")
+    name = _name(body.path, "")
 
     async def work() -> Outcome:
         command = SaveWeightsRequest(request_id=rid, run_id=model_id, kind="state", name=name)
@@ -276,7 +282,7 @@ async def save_weights(request: Request) -> dict[str, Any]:
             body={"path": f"tinker://{model_id}/weights/{result.path}", "type": "save_weights"}
         )
 
-    rid = _future_id("save_weights", model_id, body)
+    rid = _future_id("save_weights", model_id, body.seq_id)
     gateway.futures.start(rid, work, order=model_id)
     return {"request_id": rid, "model_id": model_id}
 
@@ -284,17 +290,17 @@ async def save_weights(request: Request) -> dict[str, Any]:
 @router.post("/load_weights")
 async def load_weights(request: Request) -> dict[str, Any]:
     gateway = gateway_of(request)
-    body = await read_json(request)
-    if not body.get("model_id"):
+    body = parse_body(LoadWeightsBody, await read_json(request))
+    if not body.model_id:
         raise GatewayError(
             400,
             "creating a training client from a checkpoint is not supported by plexrl yet (the "
             "trainer restores a run from its own checkpoints): call load_state on a training "
             "client of the run that saved it",
         )
-    model_id = _model_id(body)
+    model_id = _model_id(body.model_id)
     note_run(request, model_id)
-    path = str(body.get("path") or "")
+    path = body.path or ""
     match = _STATE_PATH.match(path)
     if match is None:
         raise GatewayError(
@@ -304,7 +310,7 @@ async def load_weights(request: Request) -> dict[str, Any]:
         raise GatewayError(
             400, f"{path} is a checkpoint of {match.group(1)}; plexrl loads a run's own checkpoints"
         )
-    optimizer = bool(body.get("optimizer", True))
+    optimizer = body.optimizer
 
     async def work() -> Outcome:
         command = LoadWeightsRequest(
@@ -314,6 +320,6 @@ async def load_weights(request: Request) -> dict[str, Any]:
         _refused(result.error)
         return Outcome(body={"path": path, "model_id": model_id, "type": "load_weights"})
 
-    rid = _future_id("load_weights", model_id, body)
+    rid = _future_id("load_weights", model_id, body.seq_id)
     gateway.futures.start(rid, work, order=model_id)
     return {"request_id": rid, "model_id": model_id}

@@ -84,6 +84,20 @@ def _bytes(value: int | bytes, name: str) -> bytes:
     return value
 
 
+def _text(value: int | bytes, name: str) -> str:
+    try:
+        return _bytes(value, name).decode()
+    except UnicodeDecodeError as exc:
+        raise WireError(f"{name} is not UTF-8 text") from exc
+
+
+def _int32s(value: int | bytes, name: str) -> list[int]:
+    raw = _bytes(value, name)
+    if len(raw) % 4:
+        raise WireError(f"{name}: {len(raw)} bytes are not a whole number of int32 values")
+    return np.frombuffer(raw, dtype=np.int32).tolist()
+
+
 def _double(value: int | bytes) -> float:
     if not isinstance(value, bytes) or len(value) != 8:
         raise WireError("a double is 8 bytes")
@@ -100,7 +114,7 @@ def _map_entry(data: bytes) -> tuple[str, int | bytes | None]:
     key, value = "", None
     for number, v in fields(data):
         if number == 1:
-            key = _bytes(v, "map key").decode()
+            key = _text(v, "map key")
         elif number == 2:
             value = v
     return key, value
@@ -153,9 +167,7 @@ def _datum(data: bytes) -> FwdBwdDatum:
                     )
                 for n, tokens in fields(_bytes(chunk, "EncodedTextChunk")):
                     if n == 1:
-                        datum.tokens.extend(
-                            np.frombuffer(_bytes(tokens, "tokens"), dtype=np.int32).tolist()
-                        )
+                        datum.tokens.extend(_int32s(tokens, "tokens"))
         elif number == 2:
             key, tensor = _map_entry(_bytes(v, "loss_fn_inputs"))
             datum.loss_fn_inputs[key] = tensor_values(_bytes(tensor or b"", key))
@@ -167,13 +179,13 @@ def decode_forward_backward(data: bytes) -> FwdBwdRequest:
     req = FwdBwdRequest()
     for number, v in fields(data):
         if number == 1:
-            req.model_id = _bytes(v, "model_id").decode()
+            req.model_id = _text(v, "model_id")
         elif number == 2:
             req.seq_id = _signed(v)
         elif number == 3:
             req.data.append(_datum(_bytes(v, "Datum")))
         elif number == 4:
-            req.loss_fn = _bytes(v, "loss_fn").decode()
+            req.loss_fn = _text(v, "loss_fn")
         elif number == 5:
             key, value = _map_entry(_bytes(v, "loss_fn_config"))
             req.loss_fn_config[key] = _double(value or b"\0" * 8)

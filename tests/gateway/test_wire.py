@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tinker
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import (
@@ -52,6 +54,41 @@ def test_garbage_is_a_wire_error() -> None:
         wire.decode_forward_backward(b"\x0a\xff\xff\xff")
     with pytest.raises(wire.WireError):
         wire.decode_forward_backward(b"\x0f")
+    with pytest.raises(wire.WireError, match="not UTF-8"):
+        wire.decode_forward_backward(b"\x0a\x02\xff\xfe")  # model_id
+    with pytest.raises(wire.WireError, match="whole number of int32"):
+        wire.decode_forward_backward(b"\x1a\x07\x0a\x05\x0a\x03\x0a\x01\x05")  # 1 token byte
+
+
+_VALID = forward_backward_request_to_proto(
+    types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(
+            data=[_datum([1, 5, 6], [5, 6, 2], [0.0, 1.0, 0.5])],
+            loss_fn="cross_entropy",
+            loss_fn_config={"clip_low_threshold": 0.7},
+        ),
+        model_id="run_abc",
+        seq_id=3,
+    )
+).SerializeToString()
+
+
+@settings(max_examples=400, derandomize=True, deadline=None, database=None)
+@given(
+    data=st.binary(max_size=200)
+    | st.builds(lambda cut: _VALID[:cut], st.integers(0, len(_VALID)))
+    | st.builds(
+        lambda at, b: _VALID[:at] + bytes([b]) + _VALID[at + 1 :],
+        st.integers(0, len(_VALID) - 1),
+        st.integers(0, 255),
+    )
+)
+def test_any_bytes_decode_or_are_a_wire_error(data: bytes) -> None:
+    """Never another exception: the route turns a WireError into a 400 and nothing else."""
+    try:
+        wire.decode_forward_backward(data)
+    except wire.WireError:
+        pass
 
 
 def test_sample_response_reads_back_in_the_sdk() -> None:
