@@ -2,7 +2,14 @@
 
 from services.bus.bus import Bus
 from services.bus.consumer import Consumer, Delivery
-from services.bus.errors import BusUnavailable, PayloadTooLarge, Reject, Retry, StorageFull
+from services.bus.errors import (
+    BusUnavailable,
+    PayloadTooLarge,
+    Reject,
+    Retry,
+    StoppedWaiting,
+    StorageFull,
+)
 from services.bus.follower import Follower, MessageMeta
 from services.bus.provision import provision
 from services.bus.server import EmbeddedNats, find_nats_server, free_port
@@ -20,6 +27,7 @@ __all__ = [
     "PayloadTooLarge",
     "Reject",
     "Retry",
+    "StoppedWaiting",
     "StorageFull",
     "find_nats_server",
     "free_port",

@@ -230,6 +230,9 @@ class Bus:
         """seconds a JetStream operation waits while JetStream is unavailable (a cluster without
         its quorum) past its quick retries: a service waits as long as it lasts (``math.inf``),
         a client command not at all (see :meth:`until_available`)"""
+        self.stopping: asyncio.Event | None = None
+        """set when the service is asked to stop: an operation waiting for JetStream (no quorum)
+        or for room in a full store then gives up with ``StoppedWaiting`` instead of waiting on"""
         self.invalid_count = 0
         self._closing = False
         self._tracer = tracing.tracer(f"plexrl.{service}")
@@ -331,6 +334,7 @@ class Bus:
             outage_wait=self.outage_wait if outage_wait is None else outage_wait,
             what=f"{self.service}: {what}",
             hint=self.outage_hint,
+            stop=self.stopping,
         )
 
     # --- publishing -----------------------------------------------------------------------
@@ -409,6 +413,7 @@ class Bus:
                 full_wait=full_wait,
                 outage_wait=self.outage_wait if outage_wait is None else outage_wait,
                 hint=self.outage_hint,
+                stop=self.stopping,
             )
 
     async def request(

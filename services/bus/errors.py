@@ -7,6 +7,12 @@ class BusUnavailable(ConnectionError):
     """No NATS server could be reached; the message says where we looked and what to do."""
 
 
+class StoppedWaiting(BusUnavailable):
+    """The service was asked to stop (SIGTERM) while an operation waited for JetStream to
+    answer again or for room in a full store: the operation is not done. The service exits as
+    if it had crashed there, which every service recovers from on its next start."""
+
+
 class Reject(Exception):
     """The message is bad and will never succeed: terminate it and report InvalidMessage."""
 

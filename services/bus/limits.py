@@ -25,7 +25,7 @@ from nats.js.errors import APIError
 
 from schemas import subjects as sj
 from services.bus.errors import StorageFull
-from services.bus.retry import TRANSIENT, Hint, with_backoff
+from services.bus.retry import TRANSIENT, Hint, pause, stopped_waiting, with_backoff
 from services.config import env_name
 
 log = logging.getLogger(__name__)
@@ -158,6 +158,7 @@ async def wait_while_full(
     what: str,
     full_wait: float = math.inf,
     give_up: Callable[[], bool] = lambda: False,
+    stop: asyncio.Event | None = None,
 ) -> T:
     """``await operation()``, tried again while it raises :class:`StorageFull`: 0.5 s later,
     then twice as long each time up to 10 s, for up to ``full_wait`` seconds (0: not at all).
@@ -165,7 +166,8 @@ async def wait_while_full(
     The writer pauses rather than dropping what it writes: nothing was stored by a refused
     try. The first refusal is logged as a warning at once, then once a minute while it lasts,
     and the resumption too. The last :class:`StorageFull` is raised when ``full_wait`` runs out
-    or ``give_up()`` is true (the connection closed for good).
+    or ``give_up()`` is true (the connection closed for good); once ``stop`` is set, the next
+    refusal ends the pause with :class:`~services.bus.errors.StoppedWaiting`.
     """
     paused_at: float | None = None
     warned_at = -math.inf
@@ -180,10 +182,12 @@ async def wait_while_full(
             waited = now - paused_at
             if waited >= full_wait or give_up():
                 raise
+            if stop is not None and stop.is_set():
+                raise stopped_waiting(what, waited, "room in a full store", exc) from exc
             if now - warned_at >= LOG_EVERY:
                 log.warning("%s: paused for %.0fs so far, trying again: %s", what, waited, exc)
                 warned_at = now
-            await asyncio.sleep(min(delay, full_wait - waited))
+            await pause(min(delay, full_wait - waited), stop)
             delay = min(delay * 2, MAX_DELAY)
             continue
         if paused_at is not None:
@@ -206,13 +210,14 @@ async def durable_write(
     full_wait: float = math.inf,
     outage_wait: float = 0.0,
     hint: Hint | None = None,
+    stop: asyncio.Event | None = None,
 ) -> T:
     """A write that must not be lost: transient failures retried ``attempts`` times with
     backoff (:func:`~services.bus.retry.with_backoff`), past them for up to ``outage_wait``
     seconds while JetStream is unavailable (no quorum; a service waits as long as it lasts),
     and the whole of that tried again while the store is full (:func:`wait_while_full`, up to
     ``full_wait`` seconds). ``operation`` raises :class:`StorageFull` for a full store
-    (:func:`full_as_error`)."""
+    (:func:`full_as_error`). Both waits end once ``stop`` is set (the service is stopping)."""
     return await wait_while_full(
         lambda: with_backoff(
             operation,
@@ -225,10 +230,12 @@ async def durable_write(
             outage_wait=outage_wait,
             what=what,
             hint=hint,
+            stop=stop,
         ),
         what=what,
         full_wait=full_wait,
         give_up=give_up,
+        stop=stop,
     )
 
 

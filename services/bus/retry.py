@@ -17,6 +17,7 @@ and why, and once that it resumed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -27,6 +28,8 @@ from typing import TypeVar
 from nats.errors import ConnectionClosedError, ConnectionReconnectingError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
+
+from services.bus.errors import StoppedWaiting
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -178,6 +181,22 @@ class _Outage:
             log.warning("%s: JetStream answers again: resumed after %.1fs", self.what, self.lasted)
 
 
+async def pause(seconds: float, stop: asyncio.Event | None) -> None:
+    """Sleep ``seconds``, or less if ``stop`` is set meanwhile."""
+    if stop is None:
+        await asyncio.sleep(seconds)
+        return
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)
+
+
+def stopped_waiting(what: str, waited: float, why: str, exc: BaseException) -> StoppedWaiting:
+    """The error of a wait cut short by a stop request, logged as it is made."""
+    message = f"{what}: asked to stop after waiting {waited:.0f}s for {why}; not done ({exc})"
+    log.warning("%s", message)
+    return StoppedWaiting(message)
+
+
 def _bound(limit: float) -> str:
     return "for as long as it lasts" if math.isinf(limit) else f"for up to {limit:.0f}s"
 
@@ -209,6 +228,7 @@ async def with_backoff(
     outage_wait: float = 0.0,
     what: str = "",
     hint: Hint | None = None,
+    stop: asyncio.Event | None = None,
 ) -> T:
     """``await operation()``, tried up to ``attempts`` times while it raises ``retry_on`` (or a
     JetStream :data:`IN_PROCESS` refusal), pausing ``first_delay`` seconds, then twice as long
@@ -223,7 +243,10 @@ async def with_backoff(
     unreachable (a request to a leader without its quorum can wait out a long timeout).
 
     The last failure is raised, and so is one after which ``give_up()`` is true (the
-    connection closed for good). ``on_retry(exc, attempt, pause)`` is told of each retry.
+    connection closed for good). ``on_retry(exc, attempt, pause)`` is told of each retry. Once
+    ``stop`` is set (the service was asked to stop), a wait for JetStream that has lasted
+    :data:`REPORT_AFTER` seconds (an outage, not a leader election) ends at the next failure with
+    :class:`~services.bus.errors.StoppedWaiting` instead of waiting on.
     """
     delay = first_delay
     outage: _Outage | None = None
@@ -253,6 +276,8 @@ async def with_backoff(
                 outage = outage or _Outage(label, max_delay, hint, started)
                 if outage.lasted >= outage_wait:
                     raise
+                if stop is not None and stop.is_set() and outage.lasted >= REPORT_AFTER:
+                    raise stopped_waiting(label, outage.lasted, "JetStream", exc) from exc
                 await outage.report(exc, outage_wait)
             elif attempt >= attempts:
                 raise
@@ -260,8 +285,8 @@ async def with_backoff(
                 delay = max_delay  # past the quick retries: steady tries while the loss lasts
             if on_retry is not None and (outage is None or not outage.reported):
                 on_retry(exc, attempt, delay)
-            pause = delay if outage is None else min(delay, outage_wait - outage.lasted)
-            await asyncio.sleep(max(pause, 0.0))
+            wait = delay if outage is None else min(delay, outage_wait - outage.lasted)
+            await pause(max(wait, 0.0), stop if outage is not None else None)
             delay = min(delay * 2, max_delay)
             continue
         if outage is not None:

@@ -82,6 +82,8 @@ async def _connected(
     # log; a client command fails after its quick retries instead
     outage_wait = math.inf if health is not None else 0.0
     bus = await Bus.connect(url, name, wait=wait, outage_wait=outage_wait)
+    if health is not None:
+        bus.stopping = stop  # a SIGTERM ends a wait for JetStream too (StoppedWaiting, status 1)
     try:
         announced = await announce(bus, health) if health is not None else None
         try:

@@ -91,6 +91,7 @@ class ObjectStoreSender:
             on_retry=retrying,
             outage_wait=self.bus.outage_wait,
             hint=self.bus.outage_hint,
+            stop=self.bus.stopping,
         )
 
     async def stored(self, run_id: str, *, tenant: str = DEFAULT_TENANT) -> set[int]:

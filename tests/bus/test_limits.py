@@ -17,7 +17,7 @@ from schemas.events import RolloutBatch, RunSubmitted, Sample, ServiceError
 from schemas.records import Progress
 from schemas.subjects import rollouts_subject
 from services.bus import Bus, EmbeddedNats, PayloadTooLarge, limits, provision
-from services.bus.errors import StorageFull
+from services.bus.errors import StoppedWaiting, StorageFull
 from services.bus.limits import purge_consumed
 from services.cli import main
 from services.config import process_settings
@@ -452,3 +452,32 @@ def test_commands_say_which_limit_stops_them(
         err = capsys.readouterr().err
         assert "plexrl submit: stream PLEXRL_RUNS is full (maximum bytes exceeded)" in err
         assert "Raise PLEXRL_RUNS_MAX_BYTES" in err
+
+
+async def test_a_stop_request_ends_a_paused_publish_with_stopped_waiting(
+    server: EmbeddedNats, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A service asked to stop (SIGTERM sets ``bus.stopping``) while a write waits for room
+    leaves the write undone and says so, instead of waiting for room that may never come."""
+    monkeypatch.setenv("PLEXRL_ROLLOUTS_MAX_BYTES", "8KiB")
+    caplog.set_level(logging.WARNING, logger="services.bus")
+    bus = await Bus.connect(server.url, "orchestrator")
+    bus.stopping = asyncio.Event()
+    subject = rollouts_subject(RUN)
+    try:
+        full_at = await _fill(
+            lambda i: bus.publish(subject, _batch(i), msg_id=f"{RUN}/step_{i}", full_wait=0)
+        )
+        waiting = asyncio.create_task(
+            bus.publish(subject, _batch(full_at), msg_id=f"{RUN}/step_{full_at}")
+        )
+        await _eventually(_paused(caplog))
+        assert not waiting.done()
+        bus.stopping.set()
+        with pytest.raises(StoppedWaiting, match=r"asked to stop after waiting .* for room"):
+            await asyncio.wait_for(waiting, 5.0)
+        assert "maximum bytes exceeded" in caplog.text
+        state = (await bus.js.stream_info("PLEXRL_ROLLOUTS")).state
+        assert state.messages == full_at  # nothing half-written
+    finally:
+        await bus.close()

@@ -8,6 +8,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -21,6 +26,7 @@ from services.bus import Bus, Consumer, EmbeddedNats, free_port
 from services.bus.retry import unavailable
 
 pytestmark = pytest.mark.timeout(120)
+REPO = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
 
 STREAM, SUBJECT, BUCKET = "T_QUORUM", "t.quorum.evicted", "t-quorum"
@@ -218,3 +224,64 @@ async def test_a_publish_and_an_ack_wait_out_the_loss_of_quorum_and_count_once(
         await asyncio.gather(*tasks, return_exceptions=True)
         await consumer.close()
         await service.close()
+
+
+PROBE = """
+import asyncio, sys
+from schemas import RunEvicted
+from services.launch.process import run_service
+
+async def serve(bus, stop):
+    n = 0
+    while not stop.is_set():
+        n += 1
+        event = RunEvicted(run_id="run_x", idx=n, reason="probe")
+        await bus.publish("t.quorum.evicted.probe", event, msg_id=f"probe-{n}", timeout=1.0)
+        print("published", n, flush=True)
+        await asyncio.sleep(0.2)
+
+sys.exit(run_service("probe", serve, nats_url=sys.argv[1], service="probe"))
+"""
+
+
+async def test_sigterm_during_the_wait_stops_the_service_with_status_1(
+    cluster: NatsCluster, admin: Bus, tmp_path: Path
+) -> None:
+    """A service SIGTERMed while it waits out the loss of quorum stops (status 1, saying what it
+    left undone) instead of waiting for servers that may not come back: a SIGTERM is how an
+    operator or an orchestrator of containers takes a service down."""
+    out, err = tmp_path / "probe.out", tmp_path / "probe.err"
+    with out.open("wb") as o, err.open("wb") as e:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", PROBE, cluster.url],
+            cwd=REPO,
+            stdout=o,
+            stderr=e,
+            env=os.environ | {"PLEXRL_CONNECT_WAIT_S": "30"},
+        )
+    try:
+        for _ in range(300):
+            if "published 3" in out.read_text():
+                break
+            assert proc.poll() is None, err.read_text()
+            await asyncio.sleep(0.1)
+        info = await admin.js.stream_info(STREAM)
+        assert info.cluster is not None and info.cluster.leader
+        _lose_quorum(cluster, info.cluster.leader)
+        for _ in range(300):
+            if WAITING in err.read_text():
+                break
+            await asyncio.sleep(0.1)
+        assert WAITING in err.read_text(), err.read_text()
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        status = await asyncio.to_thread(proc.wait, 30)
+        print(f"stopped {time.monotonic() - sent:.1f}s after the SIGTERM")
+        said = err.read_text()
+        assert status == 1, said
+        assert "asked to stop after waiting" in said and "for JetStream; not done" in said, said
+        assert "plexrl probe:" in said and "Traceback" not in said, said
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
