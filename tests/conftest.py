@@ -93,3 +93,37 @@ async def make_registry(server: EmbeddedNats, out: Path) -> AsyncIterator[Regist
     for registry, rbus in started:
         await registry.stop()
         await rbus.close()
+
+
+PauseCounts = Callable[[str], dict[tuple[str, str], int]]
+
+
+@pytest.fixture
+def pause_metrics(monkeypatch: pytest.MonkeyPatch) -> PauseCounts:
+    """The paused-operations instruments (``plexrl_paused_operations``, ``plexrl_pauses``),
+    recorded into a reader of the test's own; call the result with a metric's name for its
+    values by (reason, store)."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from services.telemetry import metrics as telemetry
+
+    reader = InMemoryMetricReader()
+    meter = MeterProvider(metric_readers=[reader]).get_meter("test")
+    monkeypatch.setattr(
+        telemetry, "PAUSED_OPERATIONS", meter.create_up_down_counter("plexrl_paused_operations")
+    )
+    monkeypatch.setattr(telemetry, "PAUSES", meter.create_counter("plexrl_pauses"))
+
+    def counts(name: str) -> dict[tuple[str, str], int]:
+        data = reader.get_metrics_data()
+        out: dict[tuple[str, str], int] = {}
+        for resource in data.resource_metrics if data else []:
+            for scope in resource.scope_metrics:
+                for metric in (m for m in scope.metrics if m.name == name):
+                    for p in metric.data.data_points:
+                        key = (str(p.attributes["reason"]), str(p.attributes["store"]))
+                        out[key] = int(p.value)
+        return out
+
+    return counts

@@ -27,6 +27,7 @@ from schemas import subjects as sj
 from services.bus.errors import StorageFull
 from services.bus.retry import TRANSIENT, Hint, pause, stopped_waiting, with_backoff
 from services.config import env_name
+from services.telemetry.metrics import record_pause
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -170,31 +171,36 @@ async def wait_while_full(
     refusal ends the pause with :class:`~services.bus.errors.StoppedWaiting`.
     """
     paused_at: float | None = None
+    paused_on = ""
     warned_at = -math.inf
     delay = FIRST_DELAY
-    while True:
-        try:
-            result = await operation()
-        except StorageFull as exc:
-            now = time.monotonic()
-            if paused_at is None:
-                paused_at = now
-            waited = now - paused_at
-            if waited >= full_wait or give_up():
-                raise
-            if stop is not None and stop.is_set():
-                raise stopped_waiting(what, waited, "room in a full store", exc) from exc
-            if now - warned_at >= LOG_EVERY:
-                log.warning("%s: paused for %.0fs so far, trying again: %s", what, waited, exc)
-                warned_at = now
-            await pause(min(delay, full_wait - waited), stop)
-            delay = min(delay * 2, MAX_DELAY)
-            continue
+    try:
+        while True:
+            try:
+                result = await operation()
+            except StorageFull as exc:
+                now = time.monotonic()
+                if paused_at is None:
+                    paused_at, paused_on = now, exc.where
+                    record_pause("store_full", paused_on, 1)
+                waited = now - paused_at
+                if waited >= full_wait or give_up():
+                    raise
+                if stop is not None and stop.is_set():
+                    raise stopped_waiting(what, waited, "room in a full store", exc) from exc
+                if now - warned_at >= LOG_EVERY:
+                    log.warning("%s: paused for %.0fs so far, trying again: %s", what, waited, exc)
+                    warned_at = now
+                await pause(min(delay, full_wait - waited), stop)
+                delay = min(delay * 2, MAX_DELAY)
+                continue
+            if paused_at is not None:
+                lasted = time.monotonic() - paused_at
+                log.warning("%s: resumed after %.1fs paused by a full store", what, lasted)
+            return result
+    finally:
         if paused_at is not None:
-            log.warning(
-                "%s: resumed after %.1fs paused by a full store", what, time.monotonic() - paused_at
-            )
-        return result
+            record_pause("store_full", paused_on, -1)
 
 
 async def durable_write(

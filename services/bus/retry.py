@@ -30,6 +30,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 
 from services.bus.errors import StoppedWaiting
+from services.telemetry.metrics import record_pause
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -133,6 +134,15 @@ class _Outage:
         self.started = started
         self.reported = False
 
+    def _reporting(self) -> None:
+        self.reported = True
+        record_pause("jetstream_unavailable", "jetstream", 1)
+
+    def ended(self) -> None:
+        """The wait is over, whichever way (the metric of waiting operations goes down)."""
+        if self.reported:
+            record_pause("jetstream_unavailable", "jetstream", -1)
+
     @property
     def lasted(self) -> float:
         return time.monotonic() - self.started
@@ -150,7 +160,7 @@ class _Outage:
     async def report(self, exc: BaseException, limit: float) -> None:
         if self.reported or self.lasted < REPORT_AFTER:
             return
-        self.reported = True
+        self._reporting()
         seen = await self.servers()
         log.warning(
             "%s: %s; waiting %s, retrying every %gs (%s)",
@@ -167,7 +177,7 @@ class _Outage:
         seen = await self.servers()
         if not seen.quorum_lost:
             return  # a slow answer (a big object, a busy server), not an outage
-        self.reported = True
+        self._reporting()
         log.warning(
             "%s: %s; waiting %s (no answer for %.0fs yet)",
             self.what,
@@ -252,43 +262,47 @@ async def with_backoff(
     outage: _Outage | None = None
     attempt = 0
     label = what or "a JetStream operation"
-    while True:
-        attempt += 1
-        started = time.monotonic()
+    try:
+        while True:
+            attempt += 1
+            started = time.monotonic()
 
-        async def stuck(since: float = started) -> None:
-            nonlocal outage
-            outage = outage or _Outage(label, max_delay, hint, since)
-            await outage.report_stuck(outage_wait)
+            async def stuck(since: float = started) -> None:
+                nonlocal outage
+                outage = outage or _Outage(label, max_delay, hint, since)
+                await outage.report_stuck(outage_wait)
 
-        try:
-            if outage_wait > 0 and hint is not None:
-                result = await _watched(operation, stuck)
-            else:
-                result = await operation()
-        except Exception as exc:
-            in_process = isinstance(exc, APIError) and exc.err_code == IN_PROCESS
-            retryable = in_process or isinstance(exc, retry_on)
-            waits = outage_wait > 0 and unavailable(exc)
-            if not (retryable or waits) or give_up():
-                raise
-            if waits:
-                outage = outage or _Outage(label, max_delay, hint, started)
-                if outage.lasted >= outage_wait:
+            try:
+                if outage_wait > 0 and hint is not None:
+                    result = await _watched(operation, stuck)
+                else:
+                    result = await operation()
+            except Exception as exc:
+                in_process = isinstance(exc, APIError) and exc.err_code == IN_PROCESS
+                retryable = in_process or isinstance(exc, retry_on)
+                waits = outage_wait > 0 and unavailable(exc)
+                if not (retryable or waits) or give_up():
                     raise
-                if stop is not None and stop.is_set() and outage.lasted >= REPORT_AFTER:
-                    raise stopped_waiting(label, outage.lasted, "JetStream", exc) from exc
-                await outage.report(exc, outage_wait)
-            elif attempt >= attempts:
-                raise
-            if attempt >= attempts:
-                delay = max_delay  # past the quick retries: steady tries while the loss lasts
-            if on_retry is not None and (outage is None or not outage.reported):
-                on_retry(exc, attempt, delay)
-            wait = delay if outage is None else min(delay, outage_wait - outage.lasted)
-            await pause(max(wait, 0.0), stop if outage is not None else None)
-            delay = min(delay * 2, max_delay)
-            continue
+                if waits:
+                    outage = outage or _Outage(label, max_delay, hint, started)
+                    if outage.lasted >= outage_wait:
+                        raise
+                    if stop is not None and stop.is_set() and outage.lasted >= REPORT_AFTER:
+                        raise stopped_waiting(label, outage.lasted, "JetStream", exc) from exc
+                    await outage.report(exc, outage_wait)
+                elif attempt >= attempts:
+                    raise
+                if attempt >= attempts:
+                    delay = max_delay  # past the quick retries: steady tries while the loss lasts
+                if on_retry is not None and (outage is None or not outage.reported):
+                    on_retry(exc, attempt, delay)
+                wait = delay if outage is None else min(delay, outage_wait - outage.lasted)
+                await pause(max(wait, 0.0), stop if outage is not None else None)
+                delay = min(delay * 2, max_delay)
+                continue
+            if outage is not None:
+                outage.resumed()
+            return result
+    finally:
         if outage is not None:
-            outage.resumed()
-        return result
+            outage.ended()

@@ -9,19 +9,26 @@ recorded indices, so no index changes and none is handed out twice.
 
 Writes use optimistic concurrency (``kv.create`` for a new key, ``kv.update`` with the last
 revision otherwise): a second registry writing the same bucket fails loudly instead of
-silently overwriting. The record type is :class:`schemas.records.RunRecord`; readers use
+silently overwriting. A write the bucket refuses because it is full stored nothing, so it is
+tried again until there is room (the registry pauses, saying which limit to raise); any other
+failure is raised at once, because a write whose answer was lost may have landed, and the
+registry then reloads the table rather than guess. The record type is :class:`schemas.records.RunRecord`; readers use
 :mod:`services.runs.table`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Callable
 
 from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from schemas.codec import encode
 from schemas.records import RunRecord
+from schemas.subjects import KV_REGISTRY
+from services.bus.limits import full_as_error, wait_while_full
 from services.runs.table import read_table
 
 
@@ -32,24 +39,42 @@ class TableConflict(RuntimeError):
 class RunTable:
     """Read and write the run table with optimistic concurrency."""
 
-    def __init__(self, kv: KeyValue) -> None:
+    def __init__(
+        self,
+        kv: KeyValue,
+        *,
+        give_up: Callable[[], bool] = lambda: False,
+        stop: asyncio.Event | None = None,
+    ) -> None:
         self.kv = kv
         self._revisions: dict[str, int] = {}
+        self._give_up, self._stop = give_up, stop
 
     async def load(self) -> dict[str, RunRecord]:
         """Every record in the bucket (see :func:`~services.runs.table.read_table`)."""
         return await read_table(self.kv, self._revisions)
 
     async def save(self, record: RunRecord) -> None:
-        """Write ``record``; :class:`TableConflict` if someone else wrote it since we read it."""
+        """Write ``record``; :class:`TableConflict` if someone else wrote it since we read it.
+        While the bucket is full, wait for room (see the module docstring)."""
         record.updated_at = time.time()
         key, data = record.run_id, encode(record)
         last = self._revisions.get(key)
+
+        async def write() -> int:
+            with full_as_error(
+                where=f"KV bucket {KV_REGISTRY}",
+                setting="kv_max_bytes",
+                what=f"the record of {key}",
+            ):
+                if last is None:
+                    return await self.kv.create(key, data)
+                return await self.kv.update(key, data, last=last)
+
         try:
-            if last is None:
-                revision = await self.kv.create(key, data)
-            else:
-                revision = await self.kv.update(key, data, last=last)
+            revision = await wait_while_full(
+                write, what=f"registry: {key}", give_up=self._give_up, stop=self._stop
+            )
         except KeyWrongLastSequenceError as exc:
             raise TableConflict(
                 f"plexrl-registry: {key} was changed by someone else (expected revision {last}): "

@@ -161,6 +161,19 @@ GENERATED_TOKENS = _meter.create_counter(
 )
 
 
+PAUSED_OPERATIONS = _meter.create_up_down_counter(
+    "plexrl_paused_operations",
+    description="operations of this process waiting now: for room in a full store "
+    "(reason=store_full, store=the stream, bucket or object store) or for JetStream to answer "
+    "again (reason=jetstream_unavailable, store=jetstream)",
+)
+PAUSES = _meter.create_counter(
+    "plexrl_pauses",
+    description="operations that had to wait for room in a full store or for JetStream, since "
+    "the process started (labels as plexrl_paused_operations)",
+)
+
+
 def _run(run_id: str, tenant: str) -> dict[str, str]:
     return {"run_id": run_id, "tenant": tenant}
 
@@ -205,6 +218,14 @@ def record_request_served(
         GENERATE_WAIT.record(max(seconds, 0.0), _run(run_id, tenant))
     if tokens:
         GENERATED_TOKENS.add(tokens, _run(run_id, tenant))
+
+
+def record_pause(reason: str, store: str, delta: int) -> None:
+    """An operation began (``delta`` 1) or ended (-1) a wait of ``reason`` on ``store``."""
+    labels = {"reason": reason, "store": store}
+    PAUSED_OPERATIONS.add(delta, labels)
+    if delta > 0:
+        PAUSES.add(1, labels)
 
 
 def record_invalid(service: str, subject: str) -> None:

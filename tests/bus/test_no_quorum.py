@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import pytest
 from nats.js import api
@@ -24,6 +24,9 @@ from nats.js.errors import APIError, NotFoundError
 from schemas import RunEvicted
 from services.bus import Bus, Consumer, EmbeddedNats, free_port
 from services.bus.retry import unavailable
+
+if TYPE_CHECKING:
+    from tests.conftest import PauseCounts
 
 pytestmark = pytest.mark.timeout(120)
 REPO = Path(__file__).resolve().parents[2]
@@ -149,7 +152,7 @@ async def test_what_a_cluster_without_quorum_raises_is_unavailable_and_answers_a
 
 
 async def test_a_publish_and_an_ack_wait_out_the_loss_of_quorum_and_count_once(
-    cluster: NatsCluster, admin: Bus, caplog: pytest.LogCaptureFixture
+    cluster: NatsCluster, admin: Bus, caplog: pytest.LogCaptureFixture, pause_metrics: PauseCounts
 ) -> None:
     caplog.set_level(logging.WARNING, logger="services.bus.retry")
     service = await Bus.connect(
@@ -198,6 +201,9 @@ async def test_a_publish_and_an_ack_wait_out_the_loss_of_quorum_and_count_once(
         # one line per waiting operation, however many times it was tried
         publish_waits, ack_waits = waiting()
         assert len(publish_waits) == 1 and len(ack_waits) == 1, (publish_waits, ack_waits)
+        # the metric counts the waits the log reported (the read's perhaps too)
+        now = pause_metrics("plexrl_paused_operations")[("jetstream_unavailable", "jetstream")]
+        assert now >= 2, now
 
         _restore(cluster, down)
         ack = await asyncio.wait_for(publishing, 60)
@@ -209,6 +215,13 @@ async def test_a_publish_and_an_ack_wait_out_the_loss_of_quorum_and_count_once(
         resumed = [m.partition(": JetStream ")[0] for m in said if RESUMED in m]
         assert sorted(waited) == sorted(resumed), said
 
+        # every wait is over: the metric is back to 0, and counted each wait once
+        assert pause_metrics("plexrl_paused_operations") == {
+            ("jetstream_unavailable", "jetstream"): 0
+        }
+        assert pause_metrics("plexrl_pauses")[("jetstream_unavailable", "jetstream")] == len(
+            [r for r in caplog.records if WAITING in r.getMessage()]
+        )
         # stored once: the same message id again is a duplicate, and the stream holds two
         again = await service.publish(f"{SUBJECT}.second", event, msg_id="second")
         assert again.duplicate and again.seq == ack.seq

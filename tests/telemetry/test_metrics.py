@@ -160,3 +160,16 @@ def test_per_run_instruments_carry_the_tenant(served: tuple[str, int], uid: str)
     samples = _scrape(served)
     assert _value(samples, "plexrl_trainer_tokens_total", run_id=run_id, tenant="default") == 7.0
     assert _value(samples, "plexrl_trainer_tokens_total", **labels) == 150.0
+
+
+def test_paused_operations_are_a_gauge_and_their_count_a_counter(
+    served: tuple[str, int], uid: str
+) -> None:
+    store = f"stream T_{uid}"
+    telemetry.record_pause("store_full", store, 1)
+    telemetry.record_pause("store_full", store, 1)
+    telemetry.record_pause("store_full", store, -1)
+    samples = _scrape(served)
+    labels = {"reason": "store_full", "store": store}
+    assert _value(samples, "plexrl_paused_operations", **labels) == 1.0
+    assert _value(samples, "plexrl_pauses_total", **labels) == 2.0
