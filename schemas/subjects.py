@@ -415,8 +415,9 @@ CHANNELS: tuple[Channel, ...] = (
         (JoinRequest,),
         producers="inference replicas (collective weight transport)",
         consumers="the trainer's collective sender",
-        summary="a replica asks to receive weight broadcasts",
-        reply=(GroupState,),
+        summary="a replica asks to receive weight broadcasts; a request that does not decode is "
+        "answered with a ServiceError saying why",
+        reply=(GroupState, ServiceError),
     ),
     Channel(
         "collective_leave",
@@ -425,8 +426,9 @@ CHANNELS: tuple[Channel, ...] = (
         (LeaveRequest,),
         producers="inference replicas (collective weight transport)",
         consumers="the trainer's collective sender",
-        summary="a replica leaves the broadcast group",
-        reply=(GroupState,),
+        summary="a replica leaves the broadcast group; a request that does not decode is answered "
+        "with a ServiceError saying why",
+        reply=(GroupState, ServiceError),
     ),
     Channel(
         "collective_formed",

@@ -8,7 +8,9 @@ between two writes. Points:
 - trainer (services/trainer/commit.py): ``trainer.train``, ``trainer.checkpoint``,
   ``trainer.publish``, ``trainer.progress``, ``trainer.ack``;
 - registry (services/registry/ledger.py, service.py): ``registry.orch_toml``,
-  ``registry.error_txt``, ``registry.evicted_txt``, ``registry.kv``, ``registry.publish``.
+  ``registry.error_txt``, ``registry.evicted_txt``, ``registry.kv``, ``registry.publish``;
+- orchestrator (services/orchestrator/step.py): ``orchestrator.publish`` (a step's batch is on
+  the stream, its metrics line not yet written; ``at`` is the step).
 
 Unset (the default), every point costs one settings read.
 """

@@ -33,10 +33,15 @@ On an eval step the line also holds the held-out evaluation
 line was written, so :func:`merge_metrics` rewrites that line in place (an atomic replace).
 
 A step republished after a crash may appear twice; readers keep the last line of each step.
+A step whose line the crash lost (killed after the publish, before the append) gets it back
+when the orchestrator restarts: rebuilt from the batch on the stream
+(:func:`recovered_metrics`), marked ``"recovered": true``, its timings and ``truncated_frac``
+0 (the batch does not carry them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -72,9 +77,14 @@ class StepMetrics:
     entropy_mean: float = 0.0
     zero_spread_frac: float = 0.0
     dropped_groups: int = 0
+    recovered: bool = False
+    """rebuilt from the published batch after a crash lost the line (written only when true)"""
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"), allow_nan=False)
+        row = asdict(self)
+        if not self.recovered:
+            del row["recovered"]
+        return json.dumps(row, separators=(",", ":"), allow_nan=False)
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -149,6 +159,29 @@ def reward_groups(batch: RolloutBatch, group_size: int | None = None) -> list[li
             previous = s.prompt_ids
         groups[-1].append(s.reward)
     return groups
+
+
+def recovered_metrics(batch: RolloutBatch, now: float) -> StepMetrics:
+    """The line of a published step whose own line a crash lost: what the batch tells."""
+    metrics = step_metrics(
+        batch, num_truncated=0, generation_s=0.0, wait_s=0.0, step_s=0.0, retries=0, now=now
+    )
+    return dataclasses.replace(metrics, recovered=True)
+
+
+def recorded_steps(path: Path) -> set[int]:
+    """The steps ``path`` has a whole line for."""
+    steps: set[int] = set()
+    if not path.exists():
+        return steps
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line a crash cut short
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            steps.add(row["step"])
+    return steps
 
 
 def metrics_path(output_dir: Path | str, run_id: str) -> Path:

@@ -67,11 +67,17 @@ from services.orchestrator.lifecycle import (
     admit,
     removal_reason,
 )
-from services.orchestrator.metrics import merge_metrics, metrics_path
+from services.orchestrator.metrics import (
+    append_metrics,
+    merge_metrics,
+    metrics_path,
+    recorded_steps,
+    recovered_metrics,
+)
 from services.orchestrator.state import (
     CheckpointError,
     checkpoint_path,
-    last_published_step,
+    last_published_batch,
     read_checkpoint,
     read_progress,
     resume_step,
@@ -277,9 +283,13 @@ class RunOrchestrator:
         from_trainer = None
         if progress is not None and progress.updated_at >= admission.incarnation_time.timestamp():
             from_trainer = progress.step
-        from_stream = await last_published_step(
+        from_stream, batch = await last_published_batch(
             self.bus, self.run_id, since=admission.incarnation_time
         )
+        if batch is not None and batch.step not in recorded_steps(self.metrics_path):
+            # killed between the publish and the metrics line: the line comes from the batch
+            append_metrics(self.metrics_path, recovered_metrics(batch, time.time()))
+            log.info("%s: step %d's metrics line rebuilt from its batch", self.run_id, batch.step)
         step = resume_step(from_checkpoint, from_trainer, from_stream)
         if step:
             log.info(

@@ -180,20 +180,28 @@ async def last_published_step(
     A batch stored before ``since`` (the start of this incarnation of the run id) does not count.
     ``tenant`` defaults to the tenant this process acts for.
     """
+    return (await last_published_batch(bus, run_id, since, tenant=tenant))[0]
+
+
+async def last_published_batch(
+    bus: Bus, run_id: str, since: datetime | None = None, *, tenant: str | None = None
+) -> tuple[int | None, RolloutBatch | None]:
+    """The step of the newest RolloutBatch of ``run_id`` on the stream and the batch (None
+    when it does not decode), as :func:`last_published_step` finds it."""
     tenant = acting_tenant(tenant)
     subject = tenant_rollouts_subject(run_id, tenant)
     stored = await last_message(bus, ROLLOUTS_STREAM, subject, tenant=tenant)
     if stored is None:
-        return None
+        return None, None
     if since is not None and stored.time is not None and stored.time < since:
-        return None
+        return None, None
     try:
         batch: RolloutBatch = decode(stored.data, RolloutBatch, stored.headers.get("Content-Type"))
     except DecodeError:
         # Not ours to judge: the trainer terminates and reports it. The message id still says
         # which step it claims to be.
-        return _step_from_msg_id(stored.headers.get("Nats-Msg-Id", ""))
-    return batch.step
+        return _step_from_msg_id(stored.headers.get("Nats-Msg-Id", "")), None
+    return batch.step, batch
 
 
 def _step_from_msg_id(msg_id: str) -> int | None:

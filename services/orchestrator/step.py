@@ -29,6 +29,7 @@ from schemas.subjects import rollout_msg_id, tenant_rollouts_subject
 from services.bus import Bus
 from services.bus.tracing import tracer
 from services.envs import Environment
+from services.launch.faults import crash_point
 from services.orchestrator import rollouts
 from services.orchestrator.client import GenerateClient, GenerationStopped
 from services.orchestrator.lifecycle import acting_tenant
@@ -110,6 +111,7 @@ class StepRunner:
             log.warning(
                 "%s: step %d was already on the stream; this copy was dropped", self.run_id, step
             )
+        crash_point("orchestrator.publish", self.run_id, step)  # published, no metrics line yet
         metrics = step_metrics(
             batch,
             num_truncated=sum(c.finish_reason == "length" for g in groups for c in g),

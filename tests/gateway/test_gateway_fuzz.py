@@ -19,12 +19,13 @@ The examples are fixed (``derandomize``); ``PLEXRL_FUZZ_EXAMPLES`` searches long
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -35,6 +36,9 @@ from hypothesis import strategies as st
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
+from schemas import subjects as sj
+from schemas.events import EvictRequested
+from services.bus import Bus
 from services.envs import ReverseEnv, prompt_token_ids
 from services.model.loader import load_tokenizer
 
@@ -74,6 +78,8 @@ class Ctx:
     url: str
     run_id: str
     prompt: list[int]
+    created: set[str] = field(default_factory=set)
+    """runs a mutated create_model made: evicted after each test, the stack's slots are shared"""
 
 
 ROUTES = [
@@ -169,6 +175,8 @@ def _check(ctx: Ctx, path: str, sent: bytes, got: httpx.Response) -> None:
     request_id = got.json().get("request_id")
     if request_id is None:
         return
+    if path.endswith("/create_model"):
+        ctx.created.add(got.json()["model_id"])
     outcome = _wait_future(ctx, request_id)
     assert outcome.status_code == 200, f"{what}\nfuture: {outcome.status_code} {outcome.text[:300]}"
     if outcome.headers.get("content-type", "").startswith("application/json"):
@@ -224,6 +232,29 @@ def ctx(stack: Stack) -> Ctx:
     created = _wait_future(c, made.json()["request_id"])
     assert created.json().get("model_id") == c.run_id, created.text
     return c
+
+
+@pytest.fixture(autouse=True)
+def evict_created(ctx: Ctx, stack: Stack) -> Iterator[None]:
+    """Evict the runs a test's mutated create_model requests made (the other gateway tests of
+    this process need the stack's run slots)."""
+    yield
+    gone, ctx.created = ctx.created - {ctx.run_id}, set()
+
+    async def evict() -> None:
+        bus = await Bus.connect(stack.nats_url, "test")
+        try:
+            for run_id in sorted(gone):
+                request = EvictRequested(run_id=run_id, reason="fuzz", requested_by="test")
+                await bus.publish(sj.EVICT, request, msg_id=f"{run_id}/evict/fuzz")
+        finally:
+            await bus.close()
+
+    asyncio.run(evict())
+    deadline = time.monotonic() + 60
+    while gone & {m["id"] for m in httpx.get(f"{stack.url}/v1/models").json()["data"]}:
+        assert time.monotonic() < deadline, f"never evicted: {gone}"
+        time.sleep(0.2)
 
 
 def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:

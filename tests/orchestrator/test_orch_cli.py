@@ -87,10 +87,10 @@ async def test_a_rejected_run_exits_2(
 def spawn(server: EmbeddedNats, out: Path, tiny_dir: Path, tmp_path: Path) -> Iterator[object]:
     """Start ``python -m services orchestrator`` processes; kill any left at the end."""
     procs: list[subprocess.Popen[str]] = []
-    env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
     def start(config: Path) -> subprocess.Popen[str]:
         n = len(procs)
+        env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # as it is now
         proc = subprocess.Popen(
             [
                 *(sys.executable, "-m", "services", "orchestrator", RUN, "--config", str(config)),
@@ -155,6 +155,42 @@ async def test_sigkill_then_sigterm_then_resume_publishes_every_step_once(
     )
     assert await published_steps(obus, RUN) == [0, 1, 2, 3]  # no gap, no step stored twice
     assert [r["step"] for r in read_metrics(out / RUN / "metrics.jsonl")] == [0, 1, 2, 3]
+
+
+async def test_killed_between_publish_and_metrics_line_the_restart_rebuilds_the_line(
+    obus: Bus,
+    out: Path,
+    tmp_path: Path,
+    registry: Registry,
+    replica: ScriptedReplica,
+    spawn: object,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The step is on the stream but its metrics line was never written: the restarted
+    orchestrator writes it from the batch (marked recovered) and goes on from the next step."""
+    config = write_config(tmp_path, max_steps=3, max_async_level=2)
+    monkeypatch.setenv("PLEXRL_FAULT", f"orchestrator.publish@{RUN}:1")
+    first = spawn(config)  # type: ignore[operator]
+    assert await wait_exit(first, 60) == 137, (tmp_path / "orch0.err").read_text()[-2000:]
+    assert await published_steps(obus, RUN) == [0, 1]
+    assert [r["step"] for r in read_metrics(out / RUN / "metrics.jsonl")] == [0]
+
+    monkeypatch.delenv("PLEXRL_FAULT")
+    second = spawn(config)  # type: ignore[operator]
+    await eventually(lambda: _published(obus, [0, 1, 2]), 60)
+    for version in (1, 2, 3):
+        await announce(obus, RUN, version)
+    assert await wait_exit(second, 30) == 0, (tmp_path / "orch1.err").read_text()[-2000:]
+    rows = read_metrics(out / RUN / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r.get("recovered", False) for r in rows] == [False, True, False]
+    recovered = rows[1]
+    assert recovered["num_samples"] > 0 and recovered["policy_lag"] == 1 - recovered["policy_version"]
+    assert "step 1's metrics line rebuilt from its batch" in (tmp_path / "orch1.err").read_text()
+
+
+async def _published(bus: Bus, expected: list[int]) -> bool:
+    return await published_steps(bus, RUN) == expected
 
 
 async def _logged(path: Path, text: str) -> bool:

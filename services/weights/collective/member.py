@@ -18,6 +18,7 @@ from nats.aio.msg import Msg
 
 from schemas.codec import DecodeError, decode, encode
 from schemas.collective import GroupFormed, GroupState, JoinRequest, LeaveRequest, Pong
+from schemas.events import ServiceError
 from schemas.subjects import collective_subjects, validate_service_name
 from services.bus import Bus
 from services.weights.collective.protocol import (
@@ -31,6 +32,9 @@ from services.weights.collective.protocol import (
 from services.weights.errors import WeightsError
 
 log = logging.getLogger(__name__)
+
+_JOIN_ANSWER: Any = GroupState | ServiceError
+"""what a join is answered with: the group's state, or why the request was refused"""
 
 _T = TypeVar("_T")
 
@@ -205,19 +209,23 @@ class GroupMember:
         request = self.bus.request(
             self.subjects.join,
             JoinRequest(member=self.member_id, replica=self.replica_name),
-            GroupState,
+            _JOIN_ANSWER,
             timeout=self.join_timeout,
         )
         try:
-            state = asyncio.run_coroutine_threadsafe(request, self._loop).result(
-                self.join_timeout + 1.0
-            )
+            state: GroupState | ServiceError = asyncio.run_coroutine_threadsafe(
+                request, self._loop
+            ).result(self.join_timeout + 1.0)
         except (nats.errors.Error, TimeoutError, DecodeError) as exc:
             log.debug("collective %s: join not answered (%s)", self.member_id, exc)
             self._stopping.wait(self.rejoin_interval)
             return None
         except (RuntimeError, CancelledError):  # the event loop is closing under us
             self._stopping.set()
+            return None
+        if isinstance(state, ServiceError):  # a sender of another version, say
+            log.warning("collective %s: join refused: %s", self.member_id, state.error)
+            self._stopping.wait(self.rejoin_interval)
             return None
         return self._wait_formed(state.sender, state.generation, self.timeout)
 

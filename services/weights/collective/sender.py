@@ -19,6 +19,7 @@ from nats.aio.msg import Msg
 
 from schemas.codec import DecodeError, decode, encode
 from schemas.collective import GroupFormed, GroupState, JoinRequest, LeaveRequest, Ping, Pong
+from schemas.events import ServiceError
 from schemas.run_id import validate_run_id
 from schemas.subjects import collective_subjects
 from schemas.tenant import DEFAULT_TENANT
@@ -193,11 +194,21 @@ class CollectiveSender:
 
     async def _decode(self, msg: Msg, kind: type[_Request]) -> _Request | None:
         """The request ``msg`` carries (its member id checked by the schema), or None once
-        reported as invalid."""
+        reported as invalid and answered with a ServiceError saying why (the requester learns
+        it at once instead of waiting out its timeout)."""
         try:
             return decode(msg.data, kind, (msg.headers or {}).get("Content-Type"))
         except DecodeError as exc:
             await self.bus.report_invalid(msg.subject, str(exc), msg.data)
+            if msg.reply:
+                error = f"invalid {kind.__name__}: {exc}"[:4000]
+                answer = ServiceError(
+                    service=self.bus.service, error=error, context={"subject": msg.subject}
+                )
+                try:
+                    await self.bus.nc.publish(msg.reply, encode(answer))
+                except nats.errors.Error as failed:  # the requester's problem, not ours
+                    log.debug("collective: could not answer %s: %s", msg.subject, failed)
             return None
 
     async def _answer(self, msg: Msg) -> None:
