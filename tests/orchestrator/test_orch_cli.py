@@ -185,7 +185,9 @@ async def test_killed_between_publish_and_metrics_line_the_restart_rebuilds_the_
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert [r.get("recovered", False) for r in rows] == [False, True, False]
     recovered = rows[1]
-    assert recovered["num_samples"] > 0 and recovered["policy_lag"] == 1 - recovered["policy_version"]
+    assert (
+        recovered["num_samples"] > 0 and recovered["policy_lag"] == 1 - recovered["policy_version"]
+    )
     assert "step 1's metrics line rebuilt from its batch" in (tmp_path / "orch1.err").read_text()
 
 
