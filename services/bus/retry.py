@@ -297,7 +297,10 @@ async def with_backoff(
                 if on_retry is not None and (outage is None or not outage.reported):
                     on_retry(exc, attempt, delay)
                 wait = delay if outage is None else min(delay, outage_wait - outage.lasted)
-                await pause(max(wait, 0.0), stop if outage is not None else None)
+                # a stop cuts short only the pauses of a reported outage (a blip's are short)
+                await pause(
+                    max(wait, 0.0), stop if outage is not None and outage.reported else None
+                )
                 delay = min(delay * 2, max_delay)
                 continue
             if outage is not None:

@@ -12,8 +12,8 @@ revision otherwise): a second registry writing the same bucket fails loudly inst
 silently overwriting. A write the bucket refuses because it is full stored nothing, so it is
 tried again until there is room (the registry pauses, saying which limit to raise); any other
 failure is raised at once, because a write whose answer was lost may have landed, and the
-registry then reloads the table rather than guess. The record type is :class:`schemas.records.RunRecord`; readers use
-:mod:`services.runs.table`.
+registry then reloads the table rather than guess. The record type is
+:class:`schemas.records.RunRecord`; readers use :mod:`services.runs.table`.
 """
 
 from __future__ import annotations
