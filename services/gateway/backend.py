@@ -20,14 +20,16 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
+from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from schemas.codec import decode
+from schemas.codec import DecodeError, decode
 from schemas.events import (
     Event,
     GenerateRequest,
     GenerateResponse,
+    RunConfigInvalid,
     RunRow,
     RunSubmitted,
     WeightsReady,
@@ -113,17 +115,41 @@ class Backend:
         return next((r for r in await self.runs() if r.run_id == run_id), None)
 
     async def submit(self, run_id: str, config: dict[str, Any], by: str) -> RunRow:
-        """Submit a run and wait until the registry gives it an index (or refuses it)."""
-        event = RunSubmitted(run_id=run_id, config=config, submitted_by=by)
-        await self.bus.publish(
-            runs_subject("submit", self.tenant), event, msg_id=f"{run_id}/submit/{uuid.uuid4().hex}"
-        )
-        return await self.wait_active(run_id)
+        """Submit a run and wait until the registry gives it an index (or refuses it).
 
-    async def wait_active(self, run_id: str) -> RunRow:
+        A config the registry refuses (a rank above its limit, say) is announced as a
+        RunConfigInvalid and never becomes a row of the run list, so the refusal is listened
+        for while waiting: it is a 400 with the registry's reason at once.
+        """
+        refused: list[str] = []
+
+        async def on_invalid(msg: Msg) -> None:
+            try:
+                event: RunConfigInvalid = decode(
+                    msg.data, RunConfigInvalid, (msg.headers or {}).get("Content-Type")
+                )
+            except DecodeError:
+                return  # the registry's word; a garbled copy is not ours to judge
+            if event.run_id == run_id:
+                refused.append(event.error)
+
+        sub = await self.bus.nc.subscribe(runs_subject("invalid", self.tenant), cb=on_invalid)
+        try:
+            event = RunSubmitted(run_id=run_id, config=config, submitted_by=by)
+            subject = runs_subject("submit", self.tenant)
+            await self.bus.publish(subject, event, msg_id=f"{run_id}/submit/{uuid.uuid4().hex}")
+            return await self.wait_active(run_id, refused)
+        finally:
+            await sub.unsubscribe()
+
+    async def wait_active(self, run_id: str, refused: list[str] | None = None) -> RunRow:
+        """The run's row once it is active; a 400 once ``refused`` holds the registry's reason
+        or the row says it was refused, a 503 after ``create_timeout_s``."""
         deadline = time.monotonic() + self.settings.create_timeout_s
         row: RunRow | None = None
         while time.monotonic() < deadline:
+            if refused:
+                raise GatewayError(400, f"the registry refused {run_id}: {refused[0]}", "refused")
             row = await self.run(run_id)
             if row is not None and row.status == "active":
                 return row

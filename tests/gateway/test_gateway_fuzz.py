@@ -80,6 +80,9 @@ class Ctx:
     prompt: list[int]
     created: set[str] = field(default_factory=set)
     """runs a mutated create_model made: evicted after each test, the stack's slots are shared"""
+    session: str = field(default_factory=lambda: f"fuzz-{uuid.uuid4().hex[:8]}")
+    """the session of the tests' create_model bodies: a new one after each eviction, since an
+    evicted run's id is never admitted again"""
 
 
 ROUTES = [
@@ -101,7 +104,7 @@ ROUTES = [
     Route(
         "/api/v1/create_model",
         lambda c: {
-            "session_id": "fuzz",
+            "session_id": c.session,
             "model_seq_id": 0,
             "base_model": BASE,
             "lora_config": {"rank": 4, "seed": 1},
@@ -240,6 +243,7 @@ def evict_created(ctx: Ctx, stack: Stack) -> Iterator[None]:
     this process need the stack's run slots)."""
     yield
     gone, ctx.created = ctx.created - {ctx.run_id}, set()
+    ctx.session = f"fuzz-{uuid.uuid4().hex[:8]}"
 
     async def evict() -> None:
         bus = await Bus.connect(stack.nats_url, "test")
@@ -255,6 +259,18 @@ def evict_created(ctx: Ctx, stack: Stack) -> Iterator[None]:
     while gone & {m["id"] for m in httpx.get(f"{stack.url}/v1/models").json()["data"]}:
         assert time.monotonic() < deadline, f"never evicted: {gone}"
         time.sleep(0.2)
+
+
+def _profile(examples: int) -> settings:
+    """The same ``examples`` on every run, no time limit per example (each one is a request
+    to the stack), one stack for all of them."""
+    return settings(
+        max_examples=examples,
+        derandomize=True,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
 
 
 def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -299,13 +315,7 @@ def mutated(draw: st.DrawFn, valid: dict[str, Any]) -> bytes:
 def test_malformed_json_on_every_route_is_a_clear_4xx(route: Route, ctx: Ctx, stack: Stack) -> None:
     valid = route.body(ctx)
 
-    @settings(
-        max_examples=EXAMPLES,
-        derandomize=True,
-        deadline=None,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
+    @_profile(EXAMPLES)
     @given(sent=mutated(valid))
     def one(sent: bytes) -> None:
         got = httpx.post(
@@ -340,13 +350,7 @@ def broken_proto(draw: st.DrawFn, valid: bytes) -> bytes:
 def test_malformed_forward_backward_protobuf_is_a_clear_4xx(ctx: Ctx, stack: Stack) -> None:
     valid = _fb_proto(ctx, 1)
 
-    @settings(
-        max_examples=4 * EXAMPLES,
-        derandomize=True,
-        deadline=None,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
+    @_profile(4 * EXAMPLES)
     @given(sent=broken_proto(valid))
     def one(sent: bytes) -> None:
         got = httpx.post(

@@ -89,6 +89,14 @@ def test_an_unsupported_loss_is_the_sdks_error_not_a_hang(service, tok) -> None:
         trainer.forward_backward([_sft_datum(tok, "ab", "ba")], "cispo").result(timeout=60)
 
 
+def test_a_rank_the_registry_refuses_is_its_reason_at_once(service) -> None:
+    """Tinker's default rank is 32; this registry allows 16. The registry's refusal (a
+    RunConfigInvalid, never a row of the run list) reaches the client as the error, instead of
+    a 60 s wait for a run that never comes ending in 'free a slot'."""
+    with pytest.raises(tinker.RequestFailedError, match="rank: 32 is above this registry's limit"):
+        service.create_lora_training_client(base_model="tiny-base", rank=32).result(timeout=50)
+
+
 def test_unknown_base_model_and_unsupported_routes(service, stack) -> None:
     with pytest.raises(tinker.BadRequestError, match="is not served here"):
         service.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4).result()
