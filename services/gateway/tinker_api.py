@@ -193,7 +193,10 @@ def _stopped(ids: list[int], stops: list[Any], gateway: Gateway) -> int:
     return len(ids)
 
 
-async def _sample(gateway: Gateway, ref: ModelRef, body: SampleBody) -> Outcome:
+async def _sample(
+    gateway: Gateway, ref: ModelRef, body: SampleBody, n: int, max_tokens: int
+) -> Outcome:
+    """The samples of an ``asample`` request whose ``n`` and ``max_tokens`` were checked."""
     params = body.sampling_params
     if body.prompt_logprobs or body.topk_prompt_logprobs or body.topk_sample_logprobs:
         raise GatewayError(400, "prompt logprobs and top-k logprobs are not supported by plexrl")
@@ -204,7 +207,6 @@ async def _sample(gateway: Gateway, ref: ModelRef, body: SampleBody) -> Outcome:
         gateway.codec.check_ids(prompt)
     except ValueError as exc:
         raise GatewayError(400, str(exc)) from exc
-    n, max_tokens = _sample_limits(gateway, body)
     answer = await gateway.backend.generate(
         ref,
         [prompt],
@@ -243,7 +245,7 @@ def _sample_limits(gateway: Gateway, body: SampleBody) -> tuple[int, int]:
 async def asample(request: Request) -> dict[str, Any]:
     gateway = gateway_of(request)
     body = parse_body(SampleBody, await read_json(request))
-    n, _ = _sample_limits(gateway, body)
+    n, max_tokens = _sample_limits(gateway, body)
     if body.sampling_session_id:
         session = body.sampling_session_id
         ref = await sampler_ref(gateway, session)
@@ -253,7 +255,7 @@ async def asample(request: Request) -> dict[str, Any]:
         ref = await model_path_ref(gateway, body.model_path, body.base_model)
         request_id = f"sample:{uuid.uuid4().hex}"
     note_run(request, ref.run_id)
-    gateway.futures.start(request_id, lambda: _sample(gateway, ref, body))
+    gateway.futures.start(request_id, lambda: _sample(gateway, ref, body, n, max_tokens))
     return {
         "request_id": request_id,
         "sample_sequence_ids": [f"{request_id}/{i}" for i in range(n)],

@@ -172,22 +172,15 @@ async def read_progress(bus: Bus, run_id: str, *, tenant: str | None = None) -> 
     )
 
 
-async def last_published_step(
+async def last_published_batch(
     bus: Bus, run_id: str, since: datetime | None = None, *, tenant: str | None = None
-) -> int | None:
-    """The step of the newest RolloutBatch of ``run_id`` on the stream, or None.
+) -> tuple[int | None, RolloutBatch | None]:
+    """The step of the newest RolloutBatch of ``run_id`` on the stream (None if there is none)
+    and the batch (None when it does not decode: the step then comes from its message id).
 
     A batch stored before ``since`` (the start of this incarnation of the run id) does not count.
     ``tenant`` defaults to the tenant this process acts for.
     """
-    return (await last_published_batch(bus, run_id, since, tenant=tenant))[0]
-
-
-async def last_published_batch(
-    bus: Bus, run_id: str, since: datetime | None = None, *, tenant: str | None = None
-) -> tuple[int | None, RolloutBatch | None]:
-    """The step of the newest RolloutBatch of ``run_id`` on the stream and the batch (None
-    when it does not decode), as :func:`last_published_step` finds it."""
     tenant = acting_tenant(tenant)
     subject = tenant_rollouts_subject(run_id, tenant)
     stored = await last_message(bus, ROLLOUTS_STREAM, subject, tenant=tenant)

@@ -67,11 +67,7 @@ class Ledger:
         out twice.
         """
         self.stale = True
-        table = RunTable(
-            await self.bus.js.key_value(KV_REGISTRY),
-            give_up=lambda: self.bus.nc.is_closed,
-            stop=self.bus.stopping,
-        )
+        table = RunTable(await self.bus.js.key_value(KV_REGISTRY), self.bus)
         records = await table.load()
         pool = IndexPool(self.max_runs)
         for rec in records.values():

@@ -18,9 +18,7 @@ registry then reloads the table rather than guess. The record type is
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Callable
 
 from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
@@ -28,6 +26,7 @@ from nats.js.kv import KeyValue
 from schemas.codec import encode
 from schemas.records import RunRecord
 from schemas.subjects import KV_REGISTRY
+from services.bus import Bus
 from services.bus.limits import full_as_error, wait_while_full
 from services.runs.table import read_table
 
@@ -39,16 +38,12 @@ class TableConflict(RuntimeError):
 class RunTable:
     """Read and write the run table with optimistic concurrency."""
 
-    def __init__(
-        self,
-        kv: KeyValue,
-        *,
-        give_up: Callable[[], bool] = lambda: False,
-        stop: asyncio.Event | None = None,
-    ) -> None:
+    def __init__(self, kv: KeyValue, bus: Bus | None = None) -> None:
         self.kv = kv
+        self.bus = bus
+        """the registry's connection: a write paused by a full bucket ends when it closes for
+        good or the registry is asked to stop"""
         self._revisions: dict[str, int] = {}
-        self._give_up, self._stop = give_up, stop
 
     async def load(self) -> dict[str, RunRecord]:
         """Every record in the bucket (see :func:`~services.runs.table.read_table`)."""
@@ -72,8 +67,12 @@ class RunTable:
                 return await self.kv.update(key, data, last=last)
 
         try:
+            bus = self.bus
             revision = await wait_while_full(
-                write, what=f"registry: {key}", give_up=self._give_up, stop=self._stop
+                write,
+                what=f"registry: {key}",
+                give_up=(lambda: bus.nc.is_closed) if bus else (lambda: False),
+                stop=bus.stopping if bus else None,
             )
         except KeyWrongLastSequenceError as exc:
             raise TableConflict(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import weakref
 
+from nats.js.errors import KeyDeletedError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from services.bus import Bus
@@ -20,3 +21,18 @@ async def bucket(bus: Bus, name: str) -> KeyValue:
             lambda: bus.js.key_value(name), f"looking up KV bucket {name}"
         )
     return held[name]
+
+
+async def read_value(bus: Bus, name: str, key: str, what: str) -> bytes | None:
+    """The value of ``key`` in bucket ``name``, or None if it has none (never written, deleted
+    or purged); while JetStream is unavailable it waits as long as the bus's ``outage_wait``
+    allows, saying it waits for ``what``."""
+    kv = await bucket(bus, name)
+
+    async def get() -> bytes | None:
+        try:
+            return (await kv.get(key)).value
+        except (KeyNotFoundError, KeyDeletedError):
+            return None
+
+    return await bus.until_available(get, what)

@@ -12,7 +12,6 @@ import logging
 import time
 
 import msgspec
-from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from schemas.codec import decode, encode
 from schemas.records import Progress
@@ -21,7 +20,7 @@ from schemas.subjects import KV_PROGRESS
 from schemas.tenant import validate_tenant
 from services.bus import Bus
 from services.bus.limits import durable_write, full_as_error
-from services.runs.kv import bucket
+from services.runs.kv import bucket, read_value
 
 log = logging.getLogger(__name__)
 
@@ -70,13 +69,5 @@ async def read_progress(bus: Bus, run_id: str) -> Progress | None:
     While JetStream is unavailable it waits as long as the bus's ``outage_wait`` allows.
     """
     validate_run_id(run_id)
-    kv = await bucket(bus, KV_PROGRESS)
-
-    async def get() -> bytes | None:
-        try:
-            return (await kv.get(run_id)).value
-        except (KeyNotFoundError, KeyDeletedError):
-            return None
-
-    value = await bus.until_available(get, f"reading the progress of {run_id}")
-    return None if value is None else decode(value, Progress)
+    data = await read_value(bus, KV_PROGRESS, run_id, f"reading the progress of {run_id}")
+    return None if data is None else decode(data, Progress)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from nats.js.errors import KeyDeletedError, KeyNotFoundError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from schemas.codec import DecodeError, decode
@@ -20,7 +19,7 @@ from schemas.records import RunRecord
 from schemas.subjects import KV_REGISTRY, registry_list_subject
 from schemas.tenant import DEFAULT_TENANT
 from services.bus import Bus
-from services.runs.kv import bucket
+from services.runs.kv import read_value
 
 log = logging.getLogger(__name__)
 
@@ -39,16 +38,9 @@ class RunListFailed(RuntimeError):
 async def read_record(bus: Bus, run_id: str) -> RunRecord | None:
     """``run_id``'s record, or None if the table has none (DecodeError if unreadable). While
     JetStream is unavailable it waits as long as the bus's ``outage_wait`` allows."""
-    kv = await bucket(bus, KV_REGISTRY)
-
-    async def get() -> bytes | None:
-        try:
-            return (await kv.get(run_id)).value
-        except (KeyNotFoundError, KeyDeletedError):
-            return None
-
-    value = await bus.until_available(get, f"reading the run table's record of {run_id}")
-    return decode(value, RunRecord) if value else None
+    what = f"reading the run table's record of {run_id}"
+    data = await read_value(bus, KV_REGISTRY, run_id, what)
+    return decode(data, RunRecord) if data else None
 
 
 async def read_table(kv: KeyValue, revisions: dict[str, int] | None = None) -> dict[str, RunRecord]:

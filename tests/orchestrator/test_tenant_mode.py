@@ -40,7 +40,7 @@ from services.model.lora import DEFAULT_TARGET_MODULES
 from services.orchestrator.client import GenerateClient, GenerationError
 from services.orchestrator.lifecycle import RunRejected, RunRemoved, RunWatch, admit
 from services.orchestrator.run_loop import RunOrchestrator
-from services.orchestrator.state import last_published_step, read_progress
+from services.orchestrator.state import last_published_batch, read_progress
 from services.registry.service import Registry
 from services.registry.settings import RegistrySettings
 from services.tenants.permissions import tenant_permissions as production_permissions
@@ -260,7 +260,7 @@ async def test_a_tenant_orchestrator_runs_on_its_own_subjects(
 
     # The resume witnesses a tenant may read: the stream's last batch through a consumer of
     # its own subject, the trainer's progress through the registry's list (none written here).
-    assert await last_published_step(acme.bus, RUN) == 2
+    assert (await last_published_batch(acme.bus, RUN))[0] == 2
     assert await read_progress(acme.bus, RUN) is None
     assert acme.errors == [], acme.errors
 
@@ -270,15 +270,15 @@ async def test_the_broker_keeps_another_tenants_rollouts_out_of_reach(
 ) -> None:
     """The permissions above are in force: beta cannot read acme's rollouts, acme can."""
     assert acme.bus is not None
-    assert await last_published_step(acme.bus, RUN, tenant="acme") is None  # nothing yet
+    assert (await last_published_batch(acme.bus, RUN, tenant="acme"))[0] is None  # nothing yet
     batch = RolloutBatch(run_id=RUN, step=4, policy_version=0, samples=[])
     await svc.publish(sj.tenant_rollouts_subject(RUN, "acme"), batch)
-    assert await last_published_step(acme.bus, RUN, tenant="acme") == 4
+    assert (await last_published_batch(acme.bus, RUN, tenant="acme"))[0] == 4
     beta = TenantConnection()
     beta_bus = await beta.open(broker, "beta")
     try:
         with pytest.raises(Exception):  # noqa: B017 - the reply never comes: a timeout
-            await last_published_step(beta_bus, RUN, tenant="acme")
+            (await last_published_batch(beta_bus, RUN, tenant="acme"))[0]
         await eventually(lambda: _async(beta.violations()), timeout=5.0)
         assert "plexrl.rollouts.acme" in beta.violations()[0]
     finally:
