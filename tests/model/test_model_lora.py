@@ -274,3 +274,45 @@ def test_attach_needs_a_matching_linear(tiny_dir):
         "model.layers.0.self_attn.o_proj",
         "model.layers.1.self_attn.o_proj",
     ]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+def test_on_a_gpu_both_kernels_apply_the_formula_and_agree_on_gradients(dtype):
+    """On a GPU, ``auto`` picks grouped_mm for bfloat16 on a Hopper-class device and the padded
+    bmm otherwise: each must give the formula's output and the same slot gradients as the other
+    (a stride-0 gradient from ``out.sum()`` included)."""
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    layer = MultiLoRALinear(nn.Linear(64, 32, device=device, dtype=dtype), 3, max_rank=8)
+    context = layer.adapter_context
+    context.configure_slot(0, rank=8, alpha=16.0)
+    context.configure_slot(2, rank=4, alpha=3.0)
+    a0, b0, a2, b2 = (torch.randn(shape) for shape in ((8, 64), (32, 8), (4, 64), (32, 4)))
+    layer.load_slot(0, a0, b0)
+    layer.load_slot(2, a2, b2)
+    x = torch.randn(3, 5, 64)
+    slots = torch.tensor([2, -1, 0])
+    expected = layer.base_layer(x.to(device, dtype)).float().cpu()
+    delta = {0: (16.0 / 8) * (x @ a0.T @ b0.T), 2: (3.0 / 4) * (x @ a2.T @ b2.T)}
+    for row, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected[row] += delta[slot][row]
+    # bfloat16 keeps 8 bits of mantissa: compare within 1% of each tensor's largest value.
+    rel = 1e-2 if dtype == torch.bfloat16 else 1e-4
+    grads = []
+    for kernel in ("auto", "bmm"):
+        context.kernel = kernel
+        context.set_slot_ids(slots)
+        layer.zero_grad(set_to_none=True)
+        out = layer(x.to(device, dtype))
+        atol = rel * expected.abs().max().item()
+        torch.testing.assert_close(out.float().cpu(), expected, atol=atol, rtol=rel)
+        out.sum().backward()
+        assert layer.lora_A[1].grad is None and layer.lora_B[1].grad is None  # no token of 1
+        used = (layer.lora_A[0], layer.lora_A[2], layer.lora_B[0], layer.lora_B[2])
+        grads.append([_grad(p).float().cpu() for p in used])
+    for auto, padded in zip(*grads, strict=True):
+        assert auto.abs().max() > 0
+        torch.testing.assert_close(auto, padded, atol=rel * padded.abs().max().item(), rtol=rel)

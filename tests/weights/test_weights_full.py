@@ -81,14 +81,45 @@ def _unchanged(destination: State, before: State) -> bool:
     return all(torch.equal(destination[name], before[name]) for name in before)
 
 
-def _off_the_cpu_path(model: torch.nn.Module) -> State:
-    """``model``'s parameters as tensors that cannot take bytes in place, as a GPU replica's
-    cannot: each a strided copy (a receiver stages them on the CPU, then copies them in)."""
-    out: State = {}
-    for name, p in model.named_parameters():
-        strided = torch.zeros(p.numel() * 2, dtype=p.dtype)[::2].view(p.shape)
-        out[name] = strided.copy_(p.detach())
-    return out
+OFF_THE_CPU_PATH = [
+    "strided",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ],
+    ),
+]
+
+
+@pytest.fixture(params=OFF_THE_CPU_PATH)
+def off_the_cpu_path(request: pytest.FixtureRequest) -> Callable[[torch.nn.Module], State]:
+    """Tensors that cannot take bytes in place, as a GPU replica's cannot: a strided copy of
+    each parameter on the CPU (CI), or the parameter on the GPU itself (where there is one). A
+    receiver stages them on the CPU and copies them in once the digest matched."""
+
+    def strided(model: torch.nn.Module) -> State:
+        out: State = {}
+        for name, p in model.named_parameters():
+            t = torch.zeros(p.numel() * 2, dtype=p.dtype)[::2].view(p.shape)
+            out[name] = t.copy_(p.detach())
+        return out
+
+    def on_cuda(model: torch.nn.Module) -> State:
+        return {name: p.detach().to("cuda") for name, p in model.named_parameters()}
+
+    return strided if request.param == "strided" else on_cuda
+
+
+def _equal(state: State, sent: State) -> bool:
+    """``state`` (on whatever device) holds ``sent``'s values."""
+    return all(torch.equal(state[k].cpu(), sent[k]) for k in sent)
+
+
+def _holds(got: State, destination: State, sent: State) -> bool:
+    """``got`` is ``destination``, tensor for tensor, and holds ``sent``'s values."""
+    return all(got[k] is destination[k] for k in sent) and _equal(got, sent)
 
 
 @pytest.fixture
@@ -319,14 +350,20 @@ async def test_a_corrupted_model_file_is_reported_as_touched(
 
 @pytest.mark.parametrize("transport", ["object_store", "filesystem"])
 async def test_tensors_off_the_cpu_path_get_the_weights_only_once_the_digest_matched(
-    bus: Bus, tmp_path: Path, run_id: str, lora: LoraSpec, trained: _TinyLM, transport: Any
+    bus: Bus,
+    tmp_path: Path,
+    run_id: str,
+    lora: LoraSpec,
+    trained: _TinyLM,
+    transport: Any,
+    off_the_cpu_path: Callable[[torch.nn.Module], State],
 ):
     publisher = WeightPublisher(bus, tmp_path, transport=transport)
     sent = weights_of(trained)
     event = await publisher.publish(run_id, 0, 1, sent, lora, kind="full")
-    destination = _off_the_cpu_path(tiny_lm(2))
+    destination = off_the_cpu_path(tiny_lm(2))
     got = await load_weights(bus, event, tmp_path, destination=destination)
-    assert all(got[k] is destination[k] and torch.equal(got[k], sent[k]) for k in sent)
+    assert _holds(got, destination, sent)
     # A corrupted step 2: staged, refused, and the destination still holds step 1.
     event = await publisher.publish(run_id, 0, 2, weights_of(tiny_lm(5)), lora, kind="full")
     if transport == "object_store":
@@ -339,7 +376,7 @@ async def test_tensors_off_the_cpu_path_get_the_weights_only_once_the_digest_mat
     with pytest.raises(WeightsError, match="digest mismatch") as err:
         await load_weights(bus, event, tmp_path, destination=destination)
     assert err.value.touched is False
-    assert all(torch.equal(destination[k], sent[k]) for k in sent)
+    assert _equal(destination, sent)
 
 
 # --- ucx ----------------------------------------------------------------------------------------
@@ -446,13 +483,18 @@ async def test_ucx_refusals_leave_the_destination_alone_and_corruption_is_touche
 
 
 async def test_ucx_into_tensors_off_the_cpu_path_lands_after_the_digest(
-    run_id: str, lora: LoraSpec, trained: _TinyLM, ucx_client: Any, ucx_server: Any
+    run_id: str,
+    lora: LoraSpec,
+    trained: _TinyLM,
+    ucx_client: Any,
+    ucx_server: Any,
+    off_the_cpu_path: Callable[[torch.nn.Module], State],
 ):
     sent = weights_of(trained)
     event = await _sent(ucx_server, "ucx", run_id, 1, sent, lora)
-    destination = _off_the_cpu_path(tiny_lm(2))
+    destination = off_the_cpu_path(tiny_lm(2))
     got = await ucx_client.fetch(event, destination=destination)
-    assert all(got[k] is destination[k] and torch.equal(got[k], sent[k]) for k in sent)
+    assert _holds(got, destination, sent)
     event = await _sent(ucx_server, "ucx", run_id, 2, sent, lora, changed=True)
     before = _snapshot(destination)
     with pytest.raises(WeightsError, match="digest mismatch") as err:
@@ -598,13 +640,17 @@ async def test_collective_refusals_leave_the_destination_alone_and_corruption_is
 
 
 async def test_collective_into_tensors_off_the_cpu_path_lands_after_the_digest(
-    run_id: str, lora: LoraSpec, trained: _TinyLM, collective: Any
+    run_id: str,
+    lora: LoraSpec,
+    trained: _TinyLM,
+    collective: Any,
+    off_the_cpu_path: Callable[[torch.nn.Module], State],
 ):
     sender, receiver = collective
     guard = threading.Lock()
     receiver.write_guard = guard
     sent = weights_of(trained)
-    destination = _off_the_cpu_path(tiny_lm(2))
+    destination = off_the_cpu_path(tiny_lm(2))
     receiver.receive_into(run_id, destination)
     before = _snapshot(destination)
     # The staged tensors are copied in under the write guard, like bytes received in place:
@@ -617,12 +663,12 @@ async def test_collective_into_tensors_off_the_cpu_path_lands_after_the_digest(
     guard.release()
     event = _event(run_id, 1, "collective", await sending, stream, lora)
     got = await receiver.fetch(event, destination=destination)
-    assert all(got[k] is destination[k] and torch.equal(got[k], sent[k]) for k in sent)
+    assert _holds(got, destination, sent)
     event = await _sent(sender, "collective", run_id, 2, sent, lora, changed=True)
     with pytest.raises(WeightsError, match="digest mismatch") as err:
         await receiver.fetch(event, destination=destination)
     assert err.value.touched is False
-    assert all(torch.equal(destination[k], sent[k]) for k in sent)
+    assert _equal(destination, sent)
 
 
 def _event(
