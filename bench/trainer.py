@@ -36,6 +36,7 @@ cores are as busy with a 512-token pass as with a 4,096-token one, (a) and the s
 therefore sit near 1x once a run's share of the batch is large; they grow as it shrinks.
 
     .venv/bin/python bench/trainer.py [--repeats 5] [--threads N] [--steps 6] [--device cuda]
+        [--dtype bfloat16]
         [--families all [--families-only]]
 """
 
@@ -77,6 +78,8 @@ SEQ = PROMPT + COMPLETION
 
 DEVICE = torch.device("cpu")
 """Where (a), (b) and (c) run; ``--device cuda`` measures on a GPU."""
+DTYPE = torch.float32
+"""The models' parameter dtype; ``--dtype bfloat16`` as the trainer's ``dtype`` setting."""
 
 
 def base_model() -> Any:
@@ -85,7 +88,7 @@ def base_model() -> Any:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model: Any = LlamaForCausalLM(tiny_config(SPEC))
-    return model.to(DEVICE).eval()
+    return model.to(DEVICE, DTYPE).eval()
 
 
 def _sync() -> None:
@@ -135,7 +138,9 @@ def bench_forward_backward(repeats: int, rows_per_run: int, seq: int, prompt: in
         lora.reset_slot(s, RANK, 2.0 * RANK, seed=s)
         with torch.no_grad():  # non-zero B, so that A gets gradients too
             for layer in lora.layers.values():
-                layer.lora_B[s].normal_(0, 0.02, generator=gen.manual_seed(s))
+                layer.lora_B[s].copy_(
+                    torch.randn(layer.lora_B[s].shape, generator=gen.manual_seed(s)) * 0.02
+                )
 
     def multi_step() -> None:
         with lora.use(slots):
@@ -197,14 +202,16 @@ def bench_families(repeats: int, families: list[str]) -> list[Row]:
     slots = torch.arange(RUNS).repeat_interleave(ROWS_PER_RUN).to(DEVICE)
     rows: list[Row] = []
     for family in families:
-        multi = tiny_family_model(family, seed=0, shape=shape).to(DEVICE)
+        multi = tiny_family_model(family, seed=0, shape=shape).to(DEVICE, DTYPE)
         bare = copy.deepcopy(multi).requires_grad_(False)
         lora = MultiLoRA.attach(multi, n_adapters=RUNS, max_rank=RANK)
         for s in range(RUNS):
             lora.reset_slot(s, RANK, 2.0 * RANK, seed=s)
             with torch.no_grad():
                 for layer in lora.layers.values():
-                    layer.lora_B[s].normal_(0, 0.02, generator=gen.manual_seed(s))
+                    layer.lora_B[s].copy_(
+                        torch.randn(layer.lora_B[s].shape, generator=gen.manual_seed(s)) * 0.02
+                    )
         embed = bare.get_input_embeddings()
 
         def multi_step(model: Any = multi, lora: MultiLoRA = lora) -> None:
@@ -260,12 +267,13 @@ def _peft_model(lora: MultiLoRA) -> Any:
         if s:
             model.add_adapter(f"run{s}", config)
         set_peft_model_state_dict(model, lora.slot_state_dict(s), adapter_name=f"run{s}")
-    return model.to(DEVICE)
+    return model.to(DEVICE, DTYPE)
 
 
 def _layer_times(repeats: int) -> tuple[float, float]:
     tokens = RUNS * ROWS_PER_RUN * SEQ
-    linear = torch.nn.Linear(SPEC.hidden_size, SPEC.intermediate_size, bias=False).to(DEVICE)
+    linear = torch.nn.Linear(SPEC.hidden_size, SPEC.intermediate_size, bias=False)
+    linear = linear.to(DEVICE, DTYPE)
     layer = MultiLoRALinear(copy.deepcopy(linear), RUNS, RANK)
     with torch.no_grad():
         for s in range(RUNS):
@@ -274,7 +282,7 @@ def _layer_times(repeats: int) -> tuple[float, float]:
     slots = torch.arange(RUNS).repeat_interleave(tokens // RUNS).to(DEVICE)
     layer.adapter_context.set_slot_ids(slots)
     linear.requires_grad_(False)
-    x = torch.randn(tokens, SPEC.hidden_size, device=DEVICE)
+    x = torch.randn(tokens, SPEC.hidden_size, device=DEVICE, dtype=DTYPE)
 
     def multi() -> None:
         xi = x.detach().requires_grad_(True)
@@ -309,10 +317,13 @@ def _batch(run_id: str, step: int, vocab: int) -> RolloutBatch:
     return RolloutBatch(run_id=run_id, step=step, policy_version=step, samples=samples)
 
 
-def trainer_worker(run_ids: list[str], steps: int, threads: int, device: str, queue: Any) -> None:
+def trainer_worker(
+    run_ids: list[str], steps: int, threads: int, device: str, dtype: str, queue: Any
+) -> None:
     """One trainer process: its runs, ``steps`` steps each, all runs of a step trained together."""
-    global DEVICE
+    global DEVICE, DTYPE
     DEVICE = torch.device(device)
+    DTYPE = getattr(torch, dtype)
     tune_allocator()
     torch.set_num_threads(threads)
     from services.trainer.state import create_run_state
@@ -351,7 +362,7 @@ def bench_trainers(steps: int, threads: int) -> list[Row]:
         procs = [
             ctx.Process(
                 target=trainer_worker,
-                args=(g, steps, per_process_threads, str(DEVICE), queue),
+                args=(g, steps, per_process_threads, str(DEVICE), str(DTYPE)[6:], queue),
             )
             for g in groups
         ]
@@ -420,6 +431,12 @@ def main() -> None:
     )
     parser.add_argument("--device", default="cpu", help="cpu, or cuda to measure on a GPU")
     parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the models' dtype (bfloat16 takes torch._grouped_mm on a Hopper-class GPU)",
+    )
+    parser.add_argument(
         "--families",
         default="",
         help="(d): 'all' or a comma-separated list of " + ", ".join(FAMILIES) + " (default: none)",
@@ -434,8 +451,9 @@ def main() -> None:
         parser.error(f"--families: unknown {unknown}; known: {', '.join(FAMILIES)} or 'all'")
     if args.families_only and not families:
         parser.error("--families-only needs --families")
-    global DEVICE
+    global DEVICE, DTYPE
     DEVICE = torch.device(args.device)
+    DTYPE = getattr(torch, args.dtype)
     if DEVICE.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but torch sees no CUDA device")
     tune_allocator()
@@ -449,7 +467,7 @@ def main() -> None:
     rows += bench_families(args.repeats, families)
     where = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "CPU"
     print(
-        f"\n{where}, {args.threads} threads, torch {torch.__version__}; model "
+        f"\n{where}, {args.dtype}, {args.threads} threads, torch {torch.__version__}; model "
         f"hidden {SPEC.hidden_size}, {SPEC.num_hidden_layers} layers, LoRA rank {RANK}\n"
     )
     print("| measurement | value | ratio | baseline |")
