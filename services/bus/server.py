@@ -52,6 +52,19 @@ def find_nats_server() -> str:
     )
 
 
+class _PortTaken(Exception):
+    """The server could not bind its client port: another process listens there."""
+
+
+def _read_from(path: Path, offset: int) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read()
+    except FileNotFoundError:
+        return b""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -91,6 +104,9 @@ class EmbeddedNats:
         self.store_dir = Path(store_dir)
         self.host = host
         self.port = port or free_port(host)
+        # A port picked here may be taken by another process before the server binds it; a
+        # server that never ran may then move to another free port (a restart keeps its own).
+        self._may_move = port is None
         self.monitor_port = monitor_port
         self.extra_config = extra_config
         self.include = Path(include).resolve() if include is not None else None
@@ -103,6 +119,18 @@ class EmbeddedNats:
         return f"nats://{self.host}:{self.port}"
 
     def start(self, timeout: float = 15.0) -> str:
+        for _ in range(5):
+            try:
+                return self._start(timeout)
+            except _PortTaken:
+                if not self._may_move:
+                    raise NatsServerError(
+                        f"nats-server could not listen on {self.url}: another process has the port"
+                    ) from None
+                self.port = free_port(self.host)
+        raise NatsServerError(f"nats-server found no free port on {self.host} in 5 tries")
+
+    def _start(self, timeout: float) -> str:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         conf = self.store_dir / "plexrl-nats.conf"
         # sync_interval "always" flushes every acknowledged write, so a crash loses nothing
@@ -129,7 +157,10 @@ class EmbeddedNats:
         cmd = [find_nats_server(), "-c", str(conf), "-a", self.host, "-p", str(self.port)]
         if self.monitor_port:
             cmd += ["-m", str(self.monitor_port)]
-        log = open(self.store_dir / "nats-server.log", "ab")  # noqa: SIM115 - lives with the process
+        log_path = self.store_dir / "nats-server.log"
+        # The log is appended to across restarts: only what this process writes counts.
+        offset = log_path.stat().st_size if log_path.exists() else 0
+        log = open(log_path, "ab")  # noqa: SIM115 - lives with the process
         self.proc = subprocess.Popen(
             cmd,
             stdout=log,
@@ -138,19 +169,25 @@ class EmbeddedNats:
             preexec_fn=_die_with_parent,
         )
         log.close()
+        # Ready when this process says so. A connection to the port is no proof: another
+        # process listening there (a server of someone else's that took the port first) would
+        # accept it while this one fails to bind.
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            written = _read_from(log_path, offset)
             if self.proc.poll() is not None:
-                tail = (self.store_dir / "nats-server.log").read_text(errors="replace")[-2000:]
-                raise NatsServerError(f"nats-server exited with {self.proc.returncode}:\n{tail}")
-            try:
-                with socket.create_connection((self.host, self.port), timeout=0.2):
-                    return self.url
-            except OSError:
-                time.sleep(0.02)
+                self.proc = None
+                if b"address already in use" in written:
+                    raise _PortTaken()
+                tail = written.decode(errors="replace")[-2000:]
+                raise NatsServerError(f"nats-server exited:\n{tail}")
+            if b"Server is ready" in written:
+                self._may_move = False
+                return self.url
+            time.sleep(0.02)
         self.stop()
         raise NatsServerError(
-            f"nats-server did not accept connections on {self.url} within {timeout}s"
+            f"nats-server did not say it is ready on {self.url} within {timeout}s"
         )
 
     def stop(self, timeout: float = 10.0) -> None:

@@ -368,3 +368,33 @@ def test_embedded_server_dies_with_its_parent(tmp_path: Path) -> None:
             alive = False
         time.sleep(0.1)
     assert not alive, f"nats-server {pid} outlived its parent"
+
+
+def test_a_port_someone_else_listens_on_is_never_mistaken_for_the_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process may take the port the server was to use before it binds it (two test
+    workers picking ports at once). A connection to the port would succeed all the same; the
+    server's own word decides: asked for that port, it fails with the reason; on a port it
+    picked itself, it moves to another."""
+    import socket
+
+    from services.bus import server as server_module
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        with pytest.raises(server_module.NatsServerError, match="another process has the port"):
+            EmbeddedNats(store_dir=tmp_path / "asked", port=taken).start()
+        picks = iter([taken])
+        real_free_port = server_module.free_port
+        monkeypatch.setattr(
+            server_module,
+            "free_port",
+            lambda host="127.0.0.1": next(picks, None) or real_free_port(host),
+        )
+        with EmbeddedNats(store_dir=tmp_path / "picked") as moved:
+            assert moved.port != taken
+            with socket.create_connection(("127.0.0.1", moved.port), timeout=5) as conn:
+                assert conn.recv(4) == b"INFO"
