@@ -362,7 +362,14 @@ def bench_trainers(steps: int, threads: int) -> list[Row]:
         procs = [
             ctx.Process(
                 target=trainer_worker,
-                args=(g, steps, per_process_threads, str(DEVICE), str(DTYPE)[6:], queue),
+                args=(
+                    g,
+                    steps,
+                    per_process_threads,
+                    str(DEVICE),
+                    str(DTYPE).removeprefix("torch."),
+                    queue,
+                ),
             )
             for g in groups
         ]

@@ -174,13 +174,15 @@ class EmbeddedNats:
         # accept it while this one fails to bind.
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            written = _read_from(log_path, offset)
-            if self.proc.poll() is not None:
+            code = self.proc.poll()
+            written = _read_from(log_path, offset)  # after the poll: all of it, if it exited
+            if code is not None:
                 self.proc = None
-                if b"address already in use" in written:
+                listen = f"{self.host}:{self.port}".encode()
+                if b"address already in use" in written and listen in written:
                     raise _PortTaken()
                 tail = written.decode(errors="replace")[-2000:]
-                raise NatsServerError(f"nats-server exited:\n{tail}")
+                raise NatsServerError(f"nats-server exited with {code}:\n{tail}")
             if b"Server is ready" in written:
                 self._may_move = False
                 return self.url
