@@ -378,6 +378,10 @@ class RunRow(msgspec.Struct, frozen=True, kw_only=True):
     """the later of the run's last table write and its last progress write (epoch seconds)"""
     detail: str = ""
     """why the run is invalid or evicted"""
+    config_digest: str = ""
+    """the digest of the config the registry holds for the run (``sha256:...``, as in
+    RunDiscovered); empty when it holds none (an invalid run) or from a registry before this
+    field: a client compares it with its own config's to tell its run from another's"""
 
 
 class RunList(Event, frozen=True, kw_only=True, tag="run_list"):

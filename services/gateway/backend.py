@@ -25,6 +25,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from schemas.codec import DecodeError, decode
+from schemas.config import ConfigError, orch_config_from_dict
 from schemas.events import (
     Event,
     GenerateRequest,
@@ -34,6 +35,7 @@ from schemas.events import (
     RunSubmitted,
     WeightsReady,
 )
+from schemas.records import HOLDING_STATUSES
 from schemas.subjects import (
     WEIGHTS_STREAM,
     generate_subject,
@@ -47,6 +49,16 @@ from services.gateway.settings import GatewaySettings
 from services.runs.table import RunListFailed, list_runs
 
 log = logging.getLogger(__name__)
+
+
+def config_digest(config: dict[str, Any]) -> str:
+    """The digest the registry gives ``config`` (RunRow.config_digest); "" for a config that
+    does not validate (the registry refuses it, and says why)."""
+    try:
+        return orch_config_from_dict(config).digest()
+    except ConfigError:
+        return ""
+
 
 R = TypeVar("R", bound=Event)
 
@@ -138,19 +150,30 @@ class Backend:
             event = RunSubmitted(run_id=run_id, config=config, submitted_by=by)
             subject = runs_subject("submit", self.tenant)
             await self.bus.publish(subject, event, msg_id=f"{run_id}/submit/{uuid.uuid4().hex}")
-            return await self.wait_active(run_id, refused)
+            return await self.wait_active(run_id, refused, config_digest(config))
         finally:
             await sub.unsubscribe()
 
-    async def wait_active(self, run_id: str, refused: list[str] | None = None) -> RunRow:
-        """The run's row once it is active; a 400 once ``refused`` holds the registry's reason
-        or the row says it was refused, a 503 after ``create_timeout_s``."""
+    async def wait_active(
+        self, run_id: str, refused: list[str] | None = None, digest: str = ""
+    ) -> RunRow:
+        """The run's row once it is active; a 400 once ``refused`` holds the registry's reason,
+        the row says it was refused or, given the ``digest`` of the config submitted, holds
+        another config (the run id was taken with it); a 503 after ``create_timeout_s``."""
         deadline = time.monotonic() + self.settings.create_timeout_s
         row: RunRow | None = None
         while time.monotonic() < deadline:
             if refused:
                 raise GatewayError(400, f"the registry refused {run_id}: {refused[0]}", "refused")
             row = await self.run(run_id)
+            taken = row.config_digest if row is not None and row.status in HOLDING_STATUSES else ""
+            if digest and taken not in ("", digest):
+                raise GatewayError(
+                    400,
+                    f"{run_id} already exists with a different config (registry: "
+                    f"{taken}, given: {digest}); use another model id",
+                    "refused",
+                )
             if row is not None and row.status == "active":
                 return row
             if row is not None and row.status in ("invalid", "evicted", "forgotten"):

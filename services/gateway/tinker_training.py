@@ -40,7 +40,13 @@ from schemas.training import (
 )
 from services.gateway import wire
 from services.gateway.app import gateway_of, parse_body, read_body, read_json
-from services.gateway.backend import RUN_ID, GatewayError, ModelRef, commands_config
+from services.gateway.backend import (
+    RUN_ID,
+    GatewayError,
+    ModelRef,
+    commands_config,
+    config_digest,
+)
 from services.gateway.futures import Outcome
 from services.gateway.observe import note_run
 from services.gateway.tinker_api import check_base, sampler_id, sampler_path
@@ -122,13 +128,20 @@ async def create_model(request: Request) -> dict[str, Any]:
     if lora.seed is not None:
         config["seed"] = lora.seed
 
+    wanted = commands_config(config)
+    digest = config_digest(wanted)
+
     async def work() -> Outcome:
         row = await gateway.backend.run(run_id)
-        if row is None or row.status != "active":
-            await gateway.backend.submit(run_id, commands_config(config), "gateway")
+        # Active with another config: the id was taken with another rank or seed. Submitting
+        # makes the registry refuse it (and tell its operators); waiting then answers the 400.
+        held = row.config_digest if row is not None and row.status == "active" else None
+        if held is None or held not in ("", digest):
+            await gateway.backend.submit(run_id, wanted, "gateway")
         return Outcome(body={"model_id": run_id, "type": "create_model"})
 
-    request_id = f"create_model:{run_id}"
+    # A resent request is the same future; the same model id with another config is another.
+    request_id = f"create_model:{run_id}:{digest.removeprefix('sha256:')[:16]}"
     gateway.futures.start(request_id, work, order=run_id)
     return {"request_id": request_id, "model_id": run_id}
 

@@ -249,8 +249,9 @@ async def _held(bus: Bus, watch: RunWatch) -> _Held:
         if record is None:
             return _Held(None)
         return _Held(record.status, record.config_digest, record.reason)
-    # A tenant cannot read the table: the registry's list says the status, the lifecycle
-    # events the config (a RunDiscovered carries its digest) and the reason of an eviction.
+    # A tenant cannot read the table: the registry's list says the status and the config's
+    # digest, the lifecycle events the reason of an eviction (and the digest, from a
+    # RunDiscovered, where the list is older than RunRow.config_digest or does not answer).
     latest = watch.latest()
     event = latest.event if latest is not None else None
     digest = event.config_digest if isinstance(event, RunDiscovered) else ""
@@ -262,7 +263,8 @@ async def _held(bus: Bus, watch: RunWatch) -> _Held:
         return _Held(_status_of(event), digest, reason)
     if row is None:
         return _Held(None)
-    return _Held(row.status, digest if row.status == "active" else "", row.detail or reason)
+    held = row.config_digest or (digest if row.status == "active" else "")
+    return _Held(row.status, held, row.detail or reason)
 
 
 def _status_of(event: Lifecycle | None) -> str | None:

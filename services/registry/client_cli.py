@@ -155,6 +155,7 @@ async def _await_answer(
     """Poll the run table and watch for a rejection until the registry has answered."""
     from schemas.codec import DecodeError, decode
     from schemas.events import RunConfigInvalid, ServiceError
+    from schemas.records import HOLDING_STATUSES
 
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
@@ -162,14 +163,21 @@ async def _await_answer(
             rec = await _record_of(bus, run_id, tenant)
         except Exception:  # unreadable, no registry answering yet, or the connection away
             rec = None
-        # a tenant's row carries no digest: a rejection of this submit comes as RunConfigInvalid
-        if rec is not None and getattr(rec, "config_digest", digest) == digest:
+        if rec is not None and rec.status in HOLDING_STATUSES:
+            # A row from a registry older than RunRow.config_digest carries none: then the
+            # registry's refusal of this submit is what tells a conflict.
+            if rec.config_digest and rec.config_digest != digest:
+                print(
+                    f"plexrl submit: {run_id} already exists with a different config (registry: "
+                    f"{rec.config_digest}, given: {digest}); evict it or choose another run id",
+                    file=sys.stderr,
+                )
+                return 1
             if rec.status == "active":
                 print(f"{run_id} is running with index {rec.idx}")
-                return 0
-            if rec.status == "waiting":
+            else:
                 print(f"{run_id} is waiting for a free index")
-                return 0
+            return 0
         while not answers.empty():
             msg = answers.get_nowait()
             try:

@@ -64,6 +64,7 @@ def visible_rows(
                 reward_mean=p.reward_mean if p else None,
                 updated_at=max(rec.updated_at, p.updated_at if p else 0.0),
                 detail=(rec.error or rec.reason)[:1000],
+                config_digest=rec.config_digest,
             )
         )
     rows.sort(key=lambda r: (_ORDER.get(r.status, 9), -1 if r.idx is None else r.idx, r.run_id))

@@ -96,6 +96,31 @@ class Stack:
         raise AssertionError(f"the gateway never answered:\n{self.all_logs()}")
 
 
+def evict_runs(stack: Stack, run_ids: set[str], reason: str) -> None:
+    """Evict ``run_ids`` (freeing the stack's run slots for the next tests) and wait until the
+    gateway no longer lists them."""
+    import asyncio
+
+    from schemas import subjects as sj
+    from schemas.events import EvictRequested
+    from services.bus import Bus
+
+    async def evict() -> None:
+        bus = await Bus.connect(stack.nats_url, "test")
+        try:
+            for run_id in sorted(run_ids):
+                request = EvictRequested(run_id=run_id, reason=reason, requested_by="test")
+                await bus.publish(sj.EVICT, request, msg_id=f"{run_id}/evict/{reason}")
+        finally:
+            await bus.close()
+
+    asyncio.run(evict())
+    deadline = time.monotonic() + 60
+    while run_ids & {m["id"] for m in httpx.get(f"{stack.url}/v1/models").json()["data"]}:
+        assert time.monotonic() < deadline, f"never evicted: {run_ids}"
+        time.sleep(0.2)
+
+
 def otlp_receiver_module() -> Any:
     """tests/telemetry/otlp_receiver.py: an OTLP/HTTP receiver that keeps the spans sent to it."""
     path = REPO / "tests" / "telemetry" / "otlp_receiver.py"

@@ -19,7 +19,6 @@ The examples are fixed (``derandomize``); ``PLEXRL_FUZZ_EXAMPLES`` searches long
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import time
@@ -30,15 +29,12 @@ from typing import Any
 
 import httpx
 import pytest
-from gateway_support import Stack
+from gateway_support import Stack, evict_runs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
-from schemas import subjects as sj
-from schemas.events import EvictRequested
-from services.bus import Bus
 from services.envs import ReverseEnv, prompt_token_ids
 from services.model.loader import load_tokenizer
 
@@ -244,21 +240,7 @@ def evict_created(ctx: Ctx, stack: Stack) -> Iterator[None]:
     yield
     gone, ctx.created = ctx.created - {ctx.run_id}, set()
     ctx.session = f"fuzz-{uuid.uuid4().hex[:8]}"
-
-    async def evict() -> None:
-        bus = await Bus.connect(stack.nats_url, "test")
-        try:
-            for run_id in sorted(gone):
-                request = EvictRequested(run_id=run_id, reason="fuzz", requested_by="test")
-                await bus.publish(sj.EVICT, request, msg_id=f"{run_id}/evict/fuzz")
-        finally:
-            await bus.close()
-
-    asyncio.run(evict())
-    deadline = time.monotonic() + 60
-    while gone & {m["id"] for m in httpx.get(f"{stack.url}/v1/models").json()["data"]}:
-        assert time.monotonic() < deadline, f"never evicted: {gone}"
-        time.sleep(0.2)
+    evict_runs(stack, gone, "fuzz")
 
 
 def _profile(examples: int) -> settings:

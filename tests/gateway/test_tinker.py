@@ -4,10 +4,13 @@ trainer, inference and gateway processes on a real nats-server, the tiny model).
 from __future__ import annotations
 
 import itertools
+import time
+import uuid
 
 import httpx
 import pytest
 import tinker
+from gateway_support import evict_runs
 from tinker import types
 
 from schemas.config import OrchConfig
@@ -95,6 +98,38 @@ def test_a_rank_the_registry_refuses_is_its_reason_at_once(service) -> None:
     a 60 s wait for a run that never comes ending in 'free a slot'."""
     with pytest.raises(tinker.RequestFailedError, match="rank: 32 is above this registry's limit"):
         service.create_lora_training_client(base_model="tiny-base", rank=32).result(timeout=50)
+
+
+def _create_model(stack, session: str, rank: int) -> dict:
+    """``create_model`` over plain HTTP (the SDK numbers its models itself), and its result."""
+    body = {"session_id": session, "model_seq_id": 0, "base_model": "tiny-base"}
+    made = httpx.post(
+        f"{stack.url}/api/v1/create_model", json=body | {"lora_config": {"rank": rank}}
+    )
+    assert made.status_code == 200, made.text
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        got = httpx.post(
+            f"{stack.url}/api/v1/retrieve_future",
+            json={"request_id": made.json()["request_id"]},
+            timeout=60,
+        ).json()
+        if got.get("type") != "try_again":
+            return got
+    raise AssertionError(f"create_model of rank {rank} never finished")
+
+
+def test_a_model_id_taken_with_another_rank_is_refused_at_once(stack) -> None:
+    """The same session and model_seq_id again with another rank name the same run, which the
+    registry holds with the first config: the client learns so at once. It used to get the
+    existing run of the other rank back as if it were the one it asked for."""
+    session = f"taken-{uuid.uuid4().hex[:8]}"
+    first = _create_model(stack, session, rank=4)
+    assert first.get("type") == "create_model", first
+    assert _create_model(stack, session, rank=4) == first  # a resent request finds its run
+    other = _create_model(stack, session, rank=8)
+    assert "already exists with a different config" in str(other), other
+    evict_runs(stack, {first["model_id"]}, "taken")
 
 
 def test_unknown_base_model_and_unsupported_routes(service, stack) -> None:

@@ -102,6 +102,9 @@ async def test_submit_wait_runs_and_evict_against_a_registry(
 
     assert await cli("submit", "run_cli", str(_config(tmp_path)), "--wait", "10") == 0
     assert "run_cli is running with index 0" in capsys.readouterr().out
+    other = _config(tmp_path, VALID_TOML.replace("max_steps = 20", "max_steps = 30"), "o.toml")
+    assert await cli("submit", "run_cli", str(other), "--wait", "10") == 1
+    assert "run_cli already exists with a different config" in capsys.readouterr().err
 
     big = _config(tmp_path, VALID_TOML.replace("rank = 8", "rank = 32"), "big.toml")
     assert await cli("submit", "run_big", str(big), "--wait", "10") == 1
@@ -167,6 +170,15 @@ async def test_a_tenant_submits_lists_and_evicts_through_its_own_subjects(
     assert "run_t is running with index 1" in capsys.readouterr().out
     [event] = await events_on(rbus, "plexrl.runs.team-a.discovered", RunDiscovered)
     assert (event.run_id, event.tenant) == ("run_t", "team-a")
+    # The same id with another config: the registry keeps the first. A tenant cannot read the
+    # registry's error reports, so its row's digest is what tells the CLI (it used to say
+    # "running").
+    other = _config(tmp_path, VALID_TOML.replace("max_steps = 20", "max_steps = 30"), "o.toml")
+    assert await cli("submit", "run_t", str(other), "--wait", "10") == 1
+    err = capsys.readouterr().err
+    assert f"run_t already exists with a different config (registry: {event.config_digest}" in err
+    assert await cli("submit", "run_t", str(_config(tmp_path)), "--wait", "10") == 0
+    assert "run_t is running with index 1" in capsys.readouterr().out
 
     big = _config(tmp_path, VALID_TOML.replace("rank = 8", "rank = 16"), "big.toml")
     assert await cli("submit", "run_big", str(big), "--wait", "10") == 1
