@@ -1,6 +1,6 @@
 """The NATS layer every service stands on: connection, provisioning, typed publish and consume."""
 
-from services.bus.bus import Bus
+from services.bus.bus import Bus, flushed
 from services.bus.consumer import Consumer, Delivery
 from services.bus.errors import (
     BusUnavailable,
@@ -30,6 +30,7 @@ __all__ = [
     "StoppedWaiting",
     "StorageFull",
     "find_nats_server",
+    "flushed",
     "free_port",
     "provision",
     "setup_tracing",

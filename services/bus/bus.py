@@ -208,6 +208,19 @@ async def _open(
     return nc, closing
 
 
+async def flushed(nc: NATS, timeout: int = 10) -> None:
+    """Return once the server has processed everything ``nc`` sent before the call (a SUB just
+    made: then a request from any connection finds the responder).
+
+    nats-py's ``flush()`` writes its PING straight to the socket, ahead of commands still in
+    the client's buffer, so its PONG does not prove the server has them: 8 of 2,000 requests
+    from another connection right after ``subscribe(); flush()`` found no responder here. The
+    first flush's round trip lets the buffer go out; the second PING follows it.
+    """
+    await nc.flush(timeout)
+    await nc.flush(timeout)
+
+
 class Bus:
     """One NATS connection, its JetStream context, and the name of the service using it."""
 

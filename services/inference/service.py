@@ -44,7 +44,7 @@ from schemas import subjects as sj
 from schemas.codec import DecodeError, decode, salvage_id
 from schemas.events import GenerateRequest, GenerateResponse, WeightsReady
 from schemas.tenant import DEFAULT_TENANT
-from services.bus import Bus, tracing
+from services.bus import Bus, flushed, tracing
 from services.inference.jobs import Engine, Job, JobResult, LoadInto, SlotChanged
 from services.inference.progress import ProgressBeacon
 from services.inference.requests import (
@@ -148,7 +148,7 @@ class InferenceService:
                 )
             )
         # Once the server has the subscription, a request sent after start() finds a responder.
-        await self.bus.nc.flush()
+        await flushed(self.bus.nc)
         log.info(
             "inference replica %s serving %s and %s",
             self.replica_name,

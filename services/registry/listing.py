@@ -27,7 +27,7 @@ from schemas.codec import DecodeError, Format, content_type, decode, encode, is_
 from schemas.events import RunList, RunListRequest, RunRow
 from schemas.records import Progress, RunRecord
 from schemas.tenant import DEFAULT_TENANT
-from services.bus import Bus, tracing
+from services.bus import Bus, flushed, tracing
 from services.runs.progress import read_progress
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class RunListService:
     async def start(self) -> None:
         for subject in (sj.REGISTRY_LIST, sj.REGISTRY_LIST_TENANTS):
             self._subs.append(await self.bus.nc.subscribe(subject, cb=self._on_request))
-        await self.bus.nc.flush()  # a request sent after start() finds a responder
+        await flushed(self.bus.nc)  # a request sent after start() finds a responder
 
     async def stop(self) -> None:
         subs, self._subs = self._subs, []

@@ -30,7 +30,7 @@ from schemas.training import (
     TrainResult,
     parse_train_subject,
 )
-from services.bus import Bus, tracing
+from services.bus import Bus, flushed, tracing
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class CommandInbox:
 
     async def start(self) -> None:
         self._sub = await self.bus.nc.subscribe(TRAIN_WILDCARD, cb=self._on_msg)
-        await self.bus.nc.flush()
+        await flushed(self.bus.nc)
 
     async def stop(self) -> None:
         """Unsubscribe and answer what is still queued: the trainer is going away."""

@@ -44,7 +44,7 @@ from schemas.events import RolloutBatch
 from schemas.records import GONE_STATUSES, RunStatus
 from schemas.subjects import per_run_subject
 from schemas.tenant import DEFAULT_TENANT
-from services.bus import Bus, Consumer, Delivery
+from services.bus import Bus, Consumer, Delivery, flushed
 from services.runs.table import read_record
 
 log = logging.getLogger(__name__)
@@ -366,4 +366,4 @@ class Intake:
                     log.debug("trainer: nak failed: %s", exc)
         self.pending.clear()
         with contextlib.suppress(Exception):  # naks are fire-and-forget: send them before leaving
-            await self.bus.nc.flush(timeout=2)
+            await flushed(self.bus.nc, timeout=2)

@@ -30,7 +30,7 @@ from nats.js import api
 from schemas import subjects as sj
 from schemas.tenant import inbox_prefix
 from schemas.training import TRAIN_WILDCARD, train_subject
-from services.bus import EmbeddedNats, provision
+from services.bus import EmbeddedNats, flushed, provision
 from services.config.tenants import TenantQuota, TenantsFile, save_tenants
 from services.tenants.credentials import SERVICES, ensure_seed, seed_path
 from services.tenants.nats_config import render_authorization, users_of
@@ -58,7 +58,7 @@ class Client:
 
     async def violation(self, subject: str, timeout: float = 3.0) -> str:
         """Wait for the broker's permission violation that names ``subject``."""
-        await self.nc.flush(timeout=ANSWER_S)
+        await flushed(self.nc, timeout=30)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while loop.time() < deadline:
@@ -142,7 +142,7 @@ async def broker(auth_server: EmbeddedNats, auth_dir: Path) -> AsyncIterator[Bro
     await svc.nc.subscribe("plexrl.inference.*.generate", cb=answer)
     await svc.nc.subscribe("plexrl.registry.*.list", cb=answer)
     await svc.nc.subscribe(TRAIN_WILDCARD, cb=answer)
-    await svc.nc.flush()
+    await flushed(svc.nc)
     yield Broker(auth_server, auth_dir, svc, requests)
     await svc.nc.close()
 
@@ -326,7 +326,7 @@ async def test_beta_cannot_listen_to_acme_or_to_everyone(
     assert "subscription to" in await beta.violation(subject)
     await broker.services.nc.publish(sj.tenant_weights_subject(RUN, ACME), b"core")
     await broker.services.nc.publish(f"{inbox_prefix(ACME)}.x", b"core")
-    await broker.services.nc.flush()
+    await flushed(broker.services.nc)
     await asyncio.sleep(0.1)
     assert got == []
 
@@ -432,20 +432,9 @@ async def test_acme_requests_on_its_own_subjects_are_answered(broker: Broker, ac
 
 async def test_acme_hears_core_publishes_on_its_weights(broker: Broker, acme: Client) -> None:
     sub = await acme.nc.subscribe(f"plexrl.weights.{ACME}.>")
-    await acme.nc.flush()
-    # A core publish has no acknowledgement: send it again each second until it arrives (on a
-    # loaded machine the first may still be in flight when a short wait gives up).
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + ANSWER_S
-    got = None
-    while got is None and loop.time() < deadline:
-        await broker.services.nc.publish(sj.tenant_weights_subject(RUN, ACME), b"ready")
-        await broker.services.nc.flush(timeout=ANSWER_S)
-        try:
-            got = await sub.next_msg(timeout=1)
-        except NatsTimeout:
-            continue
-    assert got is not None and got.data == b"ready"
+    await flushed(acme.nc)  # nc.flush() alone can return before the server has the SUB
+    await broker.services.nc.publish(sj.tenant_weights_subject(RUN, ACME), b"ready")
+    assert (await sub.next_msg(timeout=ANSWER_S)).data == b"ready"
     assert acme.errors == []
 
 

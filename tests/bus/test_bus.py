@@ -6,6 +6,7 @@ import asyncio
 import base64
 import json
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -22,6 +23,7 @@ from services.bus import (
     PayloadTooLarge,
     Reject,
     Retry,
+    flushed,
     free_port,
     provision,
     setup_tracing,
@@ -273,6 +275,30 @@ async def test_provisioning_updates_a_drifted_stream(tmp_path: Path) -> None:
         assert await provision(b.js) == ["updated stream PLEXRL_WEIGHTS"]
         assert (await b.js.stream_info("PLEXRL_WEIGHTS")).config.max_msgs_per_subject == 8
         await b.close()
+
+
+async def test_once_flushed_a_subscription_answers_requests_from_any_connection(
+    nats_url: str,
+) -> None:
+    """What services rely on when they start serving: after ``subscribe`` and ``flushed``, a
+    request from another connection finds the responder. (nats-py's ``flush`` alone failed
+    this about 4 times in 1,000 here: its PING can overtake the SUB.)"""
+    import nats as nats_py
+
+    serving, asking = await nats_py.connect(nats_url), await nats_py.connect(nats_url)
+
+    async def answer(msg: Any) -> None:
+        await msg.respond(b"here")
+
+    try:
+        for i in range(1000):
+            sub = await serving.subscribe(f"test.flushed.{i}", cb=answer)
+            await flushed(serving)
+            assert (await asking.request(f"test.flushed.{i}", b"", timeout=10)).data == b"here"
+            await sub.unsubscribe()
+    finally:
+        await serving.close()
+        await asking.close()
 
 
 async def test_unreachable_server_gives_a_clear_error() -> None:

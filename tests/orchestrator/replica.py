@@ -39,7 +39,7 @@ from schemas.subjects import (
     rollouts_subject,
     weights_subject,
 )
-from services.bus import Bus
+from services.bus import Bus, flushed
 from services.model.tokenizer import EOS_TOKEN, character_vocab
 
 T = TypeVar("T")
@@ -93,7 +93,7 @@ class ScriptedReplica:
                 deliver_policy=api.DeliverPolicy.ALL,
             )
         )
-        await self.bus.nc.flush()  # the server knows the subscriptions once this returns
+        await flushed(self.bus.nc)  # the server knows the subscriptions once this returns
         return self
 
     async def stop(self) -> None:

@@ -31,7 +31,7 @@ from schemas.events import (
     RunEvicted,
 )
 from schemas.tenant import inbox_prefix, progress_inbox_prefix
-from services.bus import Bus, Follower, MessageMeta
+from services.bus import Bus, Follower, MessageMeta, flushed
 from services.bus.server import find_nats_server, free_port
 from services.config.tenants import TenantQuota, TenantsFile
 from services.inference.service import InferenceService
@@ -176,7 +176,7 @@ class TenantReplica(ScriptedReplica):
                 deliver_policy=api.DeliverPolicy.ALL,
             )
         )
-        await self.bus.nc.flush()
+        await flushed(self.bus.nc)
         return self
 
 

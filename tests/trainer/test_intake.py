@@ -9,7 +9,7 @@ from trainer_support import make_batch
 
 from schemas.events import RolloutBatch
 from schemas.subjects import ROLLOUTS_STREAM, ROLLOUTS_WILDCARD
-from services.bus import Consumer
+from services.bus import Consumer, flushed
 from services.trainer.intake import Intake, RunSteps
 
 
@@ -34,7 +34,7 @@ async def _fill(intake: Intake, expected: int) -> None:
 
 
 async def _ack_pending(bus) -> int:
-    await bus.nc.flush()
+    await flushed(bus.nc)
     return (await bus.js.consumer_info(ROLLOUTS_STREAM, "trainer")).num_ack_pending
 
 

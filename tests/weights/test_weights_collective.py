@@ -20,7 +20,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from schemas.events import LoraSpec, WeightsReady
-from services.bus import Bus
+from services.bus import Bus, flushed
 from services.weights import WeightsError
 from services.weights.buckets import LandedPrefix, bucket_plan
 from services.weights.collective import (
@@ -370,7 +370,7 @@ async def _child(url: str, group: str, name: str, control: str) -> None:
         await msg.respond(msgspec.json.encode(reply))
 
     await bus.nc.subscribe(control, cb=on_msg)
-    await bus.nc.flush()
+    await flushed(bus.nc)
     await stop.wait()
     await receiver.close()
     await bus.close()

@@ -20,7 +20,7 @@ from schemas.codec import DecodeError, decode, encode
 from schemas.collective import GroupFormed, GroupState, JoinRequest, LeaveRequest, Pong
 from schemas.events import ServiceError
 from schemas.subjects import collective_subjects, validate_service_name
-from services.bus import Bus
+from services.bus import Bus, flushed
 from services.weights.collective.protocol import (
     DEFAULT_GROUP,
     JOIN_TIMEOUT,
@@ -86,7 +86,7 @@ class GroupMember:
             await self.bus.nc.subscribe(self.subjects.formed, cb=self._on_formed),
             await self.bus.nc.subscribe(self.subjects.alive(self.member_id), cb=self._on_ping),
         ]
-        await self.bus.nc.flush()
+        await flushed(self.bus.nc)
         self._thread = threading.Thread(
             target=self._run, name=f"collective-{self.member_id}", daemon=True
         )

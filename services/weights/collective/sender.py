@@ -23,7 +23,7 @@ from schemas.events import ServiceError
 from schemas.run_id import validate_run_id
 from schemas.subjects import collective_subjects
 from schemas.tenant import DEFAULT_TENANT
-from services.bus import Bus
+from services.bus import Bus, flushed
 from services.weights.collective.protocol import (
     DEFAULT_GROUP,
     HEARTBEAT,
@@ -124,7 +124,7 @@ class CollectiveSender:
             await self.bus.nc.subscribe(self.subjects.join, cb=self._on_join),
             await self.bus.nc.subscribe(self.subjects.leave, cb=self._on_leave),
         ]
-        await self.bus.nc.flush()
+        await flushed(self.bus.nc)
         self._task = asyncio.create_task(self._serve(), name="collective-sender")
         log.info("collective sender %s: store on %s:%d", self.sender_id, self.host, self.port)
 
