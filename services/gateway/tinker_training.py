@@ -135,8 +135,7 @@ async def create_model(request: Request) -> dict[str, Any]:
         row = await gateway.backend.run(run_id)
         # Active with another config: the id was taken with another rank or seed. Submitting
         # makes the registry refuse it (and tell its operators); waiting then answers the 400.
-        held = row.config_digest if row is not None and row.status == "active" else None
-        if held is None or held not in ("", digest):
+        if row is None or row.status != "active" or row.config_digest not in ("", digest):
             await gateway.backend.submit(run_id, wanted, "gateway")
         return Outcome(body={"model_id": run_id, "type": "create_model"})
 

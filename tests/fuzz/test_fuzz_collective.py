@@ -22,11 +22,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from schemas.collective import GroupFormed, JoinRequest, LeaveRequest
-from schemas.events import LoraSpec, ServiceError, WeightsReady
+from schemas.events import LoraSpec, ServiceError
 from schemas.subjects import collective_subjects
 from services.bus import Bus, EmbeddedNats
 from services.weights.collective import CollectiveReceiver, CollectiveSender
 from services.weights.stream import EncodedStream
+from tests.weights.announce import announcement
 
 from .fuzz_payloads import Thrown, Wire, decodes, fuzz, wires
 from .fuzz_support import Reports, eventually, reply_of, request
@@ -110,16 +111,7 @@ async def test_bad_membership_messages_are_answered_reported_and_the_group_goes_
     adapter = {"lora_A": torch.full((2, 8), float(step)), "lora_B": torch.arange(16.0).view(8, 2)}
     stream = EncodedStream.from_state_dict(adapter)
     where = await g.sender.send(RUN, step, stream)
-    event = WeightsReady(
-        run_id=RUN,
-        idx=0,
-        step=step,
-        transport="collective",
-        location=where,
-        digest=stream.digest,
-        size_bytes=stream.size,
-        lora=LORA,
-    )
+    event = announcement(RUN, step, "collective", where, stream, LORA)
     got = await g.receiver.fetch(event)
     assert sorted(got) == sorted(adapter)
     assert all(torch.equal(got[k], v) for k, v in adapter.items())

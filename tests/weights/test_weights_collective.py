@@ -28,6 +28,7 @@ from services.weights.collective import (
     CollectiveSender,
 )
 from services.weights.stream import EncodedStream
+from tests.weights.announce import announcement
 
 Adapter = dict[str, torch.Tensor]
 SETTLE_TIMEOUT = 30.0
@@ -38,19 +39,6 @@ class _ChildReply(msgspec.Struct):
     generation: int | None = None
     error: str | None = None
     data: bytes = b""
-
-
-def _event(run_id: str, step: int, location: str, stream: EncodedStream, lora: LoraSpec) -> Any:
-    return WeightsReady(
-        run_id=run_id,
-        idx=0,
-        step=step,
-        transport="collective",
-        location=location,
-        digest=stream.digest,
-        size_bytes=stream.size,
-        lora=lora,
-    )
 
 
 async def _settle(sender: CollectiveSender, generation_of: dict[str, Callable[[], Any]]) -> int:
@@ -202,7 +190,7 @@ async def test_two_receiver_processes_get_the_senders_tensors(
         assert where == (
             f"collective://127.0.0.1:{sender.port}/gen{sender.generation}/{run_id}/step_{step}"
         )
-        event = _event(run_id, step, where, stream, lora)
+        event = announcement(run_id, step, "collective", where, stream, lora)
         for child in children:
             _assert_same(await child.fetch(event), adapter)
     # The digest the replica checks is the event's: a different one is refused.
@@ -224,7 +212,10 @@ async def test_killed_receiver_is_dropped_and_survivors_keep_receiving(
         adapter = make_adapter(seed)
         stream = EncodedStream.from_state_dict(adapter)
         where = await sender.send(run_id, step, stream)
-        _assert_same(await survivor.fetch(_event(run_id, step, where, stream, lora)), adapter)
+        _assert_same(
+            await survivor.fetch(announcement(run_id, step, "collective", where, stream, lora)),
+            adapter,
+        )
     # The broadcast that met the dead replica failed; the next generation is the survivor's.
     after = await _settle(sender, {survivor.member: survivor.generation})
     assert after > before
@@ -232,7 +223,9 @@ async def test_killed_receiver_is_dropped_and_survivors_keep_receiving(
     stream = EncodedStream.from_state_dict(adapter)
     where = await sender.send(run_id, 3, stream)
     assert f"/gen{after}/" in where
-    _assert_same(await survivor.fetch(_event(run_id, 3, where, stream, lora)), adapter)
+    _assert_same(
+        await survivor.fetch(announcement(run_id, 3, "collective", where, stream, lora)), adapter
+    )
 
 
 async def test_corrupted_or_mismatched_transfer_is_a_weights_error(
@@ -246,12 +239,12 @@ async def test_corrupted_or_mismatched_transfer_is_a_weights_error(
     next(iter(adapter.values())).add_(1.0)
     where = await sender.send(run_id, 1, stream)
     with pytest.raises(WeightsError, match=f"{run_id} step 1: digest mismatch"):
-        await receiver.fetch(_event(run_id, 1, where, stream, lora))
+        await receiver.fetch(announcement(run_id, 1, "collective", where, stream, lora))
     # An event announcing other bytes than the trainer sent is refused too.
     good = make_adapter(32)
     stream = EncodedStream.from_state_dict(good)
     where = await sender.send(run_id, 2, stream)
-    event = _event(run_id, 2, where, stream, lora)
+    event = announcement(run_id, 2, "collective", where, stream, lora)
     with pytest.raises(WeightsError, match="digest"):
         await receiver.fetch(msgspec.structs.replace(event, digest="sha256:" + "2" * 64))
     with pytest.raises(WeightsError, match="not this run's transfer"):
@@ -270,7 +263,7 @@ async def test_late_joiner_gets_the_current_weights_of_every_run(
         adapter = make_adapter(seed)
         stream = EncodedStream.from_state_dict(adapter)
         where = await sender.send(run, step, stream)
-        sent[(run, step)] = (adapter, _event(run, step, where, stream, lora))
+        sent[(run, step)] = (adapter, announcement(run, step, "collective", where, stream, lora))
 
     await send(run_id, 1, 41)  # nobody has joined: only kept
     early = await start_receiver("rx-early")
@@ -310,7 +303,10 @@ async def test_receivers_join_a_restarted_sender_by_themselves(
         stream = EncodedStream.from_state_dict(adapter)
         where = await second.send(run_id, 1, stream)
         assert f":{second.port}/" in where
-        _assert_same(await receiver.fetch(_event(run_id, 1, where, stream, lora)), adapter)
+        _assert_same(
+            await receiver.fetch(announcement(run_id, 1, "collective", where, stream, lora)),
+            adapter,
+        )
     finally:
         await second.close()
 
@@ -341,7 +337,9 @@ async def test_full_weights_arrive_in_place_in_several_buckets(
     receiver.receive_into(run_id, destination)
     await _settle(sender, {receiver.member_id: receiver.joined})
     where = await sender.send(run_id, 1, stream)
-    got = await receiver.fetch(_event(run_id, 1, where, stream, lora), destination=destination)
+    got = await receiver.fetch(
+        announcement(run_id, 1, "collective", where, stream, lora), destination=destination
+    )
     assert sorted(got) == sorted(params)
     for name, param in params.items():
         assert got[name].data_ptr() == param.data_ptr(), name

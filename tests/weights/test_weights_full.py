@@ -26,6 +26,7 @@ from services.weights import EncodedStream, WeightPublisher, WeightsError, load_
 from services.weights.blobs import get_blob, write_blob
 from services.weights.digest import digest_of
 from services.weights.transport import unavailable_reason
+from tests.weights.announce import announcement
 
 State = dict[str, torch.Tensor]
 
@@ -419,7 +420,9 @@ async def _sent(
     stream = EncodedStream.from_state_dict({k: t.clone() for k, t in state.items()})
     if changed:
         stream._tensors[0].add_(1.0)
-    return _event(run_id, step, transport, await sender.send(run_id, step, stream), stream, lora)
+    return announcement(
+        run_id, step, transport, await sender.send(run_id, step, stream), stream, lora, kind="full"
+    )
 
 
 async def test_ucx_full_weights_land_in_place_and_only_the_newest_is_held(
@@ -522,7 +525,9 @@ async def test_a_ucx_transfer_cut_off_in_the_middle_is_touched(
     client = UcxWeightClient(stall_timeout=0.5)
     try:
         stream = EncodedStream.from_state_dict(weights_of(trained))
-        event = _event(run_id, 1, "ucx", await server.send(run_id, 1, stream), stream, lora)
+        event = announcement(
+            run_id, 1, "ucx", await server.send(run_id, 1, stream), stream, lora, kind="full"
+        )
         destination = dict(serving.named_parameters())
         with pytest.raises(WeightsError, match="failed \\(timed out\\)") as err:
             await client.fetch(event, destination=destination)
@@ -661,7 +666,7 @@ async def test_collective_into_tensors_off_the_cpu_path_lands_after_the_digest(
     await asyncio.sleep(0.5)
     assert not sending.done() and _unchanged(destination, before)
     guard.release()
-    event = _event(run_id, 1, "collective", await sending, stream, lora)
+    event = announcement(run_id, 1, "collective", await sending, stream, lora, kind="full")
     got = await receiver.fetch(event, destination=destination)
     assert _holds(got, destination, sent)
     event = await _sent(sender, "collective", run_id, 2, sent, lora, changed=True)
@@ -669,19 +674,3 @@ async def test_collective_into_tensors_off_the_cpu_path_lands_after_the_digest(
         await receiver.fetch(event, destination=destination)
     assert err.value.touched is False
     assert _equal(destination, sent)
-
-
-def _event(
-    run_id: str, step: int, transport: Any, location: str, stream: EncodedStream, lora: LoraSpec
-) -> WeightsReady:
-    return WeightsReady(
-        run_id=run_id,
-        idx=0,
-        step=step,
-        transport=transport,
-        location=location,
-        digest=stream.digest,
-        size_bytes=stream.size,
-        lora=lora,
-        kind="full",
-    )

@@ -25,6 +25,9 @@ from services.weights import EncodedStream, WeightPublisher, WeightsError, load_
 from services.weights.digest import digest_of
 from services.weights.errors import TransportUnavailable
 from services.weights.ucx import UcxWeightClient, UcxWeightServer, _tag, import_ucxx
+from tests.weights.announce import announcement
+
+UCX_LORA = LoraSpec(rank=4, alpha=8.0, target_modules=["q_proj"])
 
 try:
     import_ucxx()  # sets the TCP defaults before ucxx reads the environment
@@ -39,19 +42,6 @@ def _same(got: dict[str, torch.Tensor], sent: dict[str, torch.Tensor]) -> None:
     assert list(got) == sorted(sent)
     for key, tensor in sent.items():
         assert got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), key
-
-
-def _event(run_id: str, step: int, location: str, stream: EncodedStream) -> WeightsReady:
-    return WeightsReady(
-        run_id=run_id,
-        idx=0,
-        step=step,
-        transport="ucx",
-        location=location,
-        digest=stream.digest,
-        size_bytes=stream.size,
-        lora=LoraSpec(rank=4, alpha=8.0, target_modules=["q_proj"]),
-    )
 
 
 @pytest.fixture
@@ -120,7 +110,11 @@ async def test_many_requests_share_one_connection_and_many_clients_pull_at_once(
     events = []
     for step, state in adapters.items():
         stream = EncodedStream.from_state_dict(state)
-        events.append(_event(run_id, step, await server.send(run_id, step, stream), stream))
+        events.append(
+            announcement(
+                run_id, step, "ucx", await server.send(run_id, step, stream), stream, UCX_LORA
+            )
+        )
     clients = [UcxWeightClient() for _ in range(3)]
     try:
         results = await asyncio.gather(*(c.fetch(e) for c in clients for e in events * 2))
@@ -172,7 +166,7 @@ async def test_small_tensors_travel_together(
     monkeypatch.setattr(ucx_client, "_pipeline", counting)
     state = _mixed_state()
     stream = EncodedStream.from_state_dict(state)
-    event = _event(run_id, 1, await server.send(run_id, 1, stream), stream)
+    event = announcement(run_id, 1, "ucx", await server.send(run_id, 1, stream), stream, UCX_LORA)
     got = await client.fetch(event)
     _same(got, state)
     received = posted["recv"]
@@ -187,7 +181,7 @@ async def test_three_replica_processes_pull_a_stream_at_once(server: UcxWeightSe
     g = torch.Generator().manual_seed(3)
     state = {f"layer{i}.weight": torch.randn(512, 1024 + i, generator=g) for i in range(3)}
     stream = EncodedStream.from_state_dict(state)  # 6 MiB: 6 pieces of 1 MiB per replica
-    event = _event(run_id, 5, await server.send(run_id, 5, stream), stream)
+    event = announcement(run_id, 5, "ucx", await server.send(run_id, 5, stream), stream, UCX_LORA)
     wire = msgspec.json.encode(event).decode()
     replicas = [
         await asyncio.create_subprocess_exec(
@@ -220,7 +214,7 @@ async def test_full_weights_are_received_into_the_model_parameters(
     serving = LlamaForCausalLM(tiny_config())
     sent = {k: p.detach() for k, p in trained.named_parameters()}
     stream = EncodedStream.from_state_dict(sent)
-    event = _event(run_id, 1, await server.send(run_id, 1, stream), stream)
+    event = announcement(run_id, 1, "ucx", await server.send(run_id, 1, stream), stream, UCX_LORA)
     destination = dict(serving.named_parameters())
     pointers = {k: p.data_ptr() for k, p in destination.items()}
     assert not all(torch.equal(destination[k], sent[k]) for k in sent)
@@ -246,7 +240,7 @@ async def test_a_destination_that_does_not_fit_is_refused_and_left_alone(
     server: UcxWeightServer, client: UcxWeightClient, run_id: str
 ):
     stream = EncodedStream.from_state_dict({"w": torch.ones(4, 4)})
-    event = _event(run_id, 1, await server.send(run_id, 1, stream), stream)
+    event = announcement(run_id, 1, "ucx", await server.send(run_id, 1, stream), stream, UCX_LORA)
     destination = {"w": torch.zeros(4, 5)}
     with pytest.raises(
         WeightsError,
@@ -271,8 +265,12 @@ async def test_a_stalled_transfer_times_out_and_the_next_fetch_reconnects(run_id
     try:
         stalled = EncodedStream.from_state_dict({"w": torch.ones(1000)})
         good = EncodedStream.from_state_dict(adapter)
-        bad_event = _event(run_id, 1, await server.send(run_id, 1, stalled), stalled)
-        good_event = _event(run_id, 2, await server.send(run_id, 2, good), good)
+        bad_event = announcement(
+            run_id, 1, "ucx", await server.send(run_id, 1, stalled), stalled, UCX_LORA
+        )
+        good_event = announcement(
+            run_id, 2, "ucx", await server.send(run_id, 2, good), good, UCX_LORA
+        )
         _same(await client.fetch(good_event), adapter)
         first = client._endpoints[("127.0.0.1", server.port)]
         with pytest.raises(
@@ -294,7 +292,9 @@ async def test_nothing_listening_is_a_clear_error(client: UcxWeightClient, run_i
 
     port = free_port()
     stream = EncodedStream.from_state_dict({"w": torch.ones(2)})
-    event = _event(run_id, 1, f"ucx://127.0.0.1:{port}/{run_id}/step_1", stream)
+    event = announcement(
+        run_id, 1, "ucx", f"ucx://127.0.0.1:{port}/{run_id}/step_1", stream, UCX_LORA
+    )
     with pytest.raises(
         WeightsError,
         match=f"^weights for {run_id} step 1: cannot connect to the trainer at "
