@@ -129,6 +129,10 @@ class EvictRequested(Event, frozen=True, kw_only=True, tag="evict_requested"):
     run_id: RunId
     reason: ShortText
     requested_by: str = ""
+    delete: bool = False
+    """also delete the run's directory (its checkpoints too) once it is evicted, so the run is
+    forgotten and its id free again; only for a run already evicted or invalid (evict an
+    active run first)"""
 
 
 class RunEvicted(Event, frozen=True, kw_only=True, tag="run_evicted"):

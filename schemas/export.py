@@ -69,6 +69,11 @@ _PARAMETERS: dict[str, dict[str, Any]] = {
         "description": "The run id: 'run_' followed by 1-64 letters, digits, '_' or '-'.",
         "examples": ["run_abc123"],
     },
+    "tenant": {
+        "description": "A tenant: 1-64 letters, digits, '_' or '-', not starting with 'run_'. In "
+        "an ingest subject it is written by the broker's account mapping, never by the tenant.",
+        "examples": ["team-a"],
+    },
     "service": {
         "description": "The reporting service's name: 1-64 letters, digits, '_' or '-'.",
         "examples": ["registry", "trainer", "inference", "orchestrator"],

@@ -33,6 +33,7 @@ from schemas.events import (
     ServiceError,
     WeightsReady,
 )
+from schemas.ingest import INGEST_FAMILY, INGEST_QUEUE_GROUP
 from schemas.run_id import validate_run_id
 from schemas.tenant import DEFAULT_TENANT, validate_tenant
 from schemas.training import TRAIN_COMMANDS, train_subject
@@ -463,4 +464,23 @@ CHANNELS += tuple(
         reply=(result,),
     )
     for kind, (request, result, summary) in TRAIN_COMMANDS.items()
+)
+
+CHANNELS += tuple(
+    Channel(
+        f"ingest_{kind}",
+        f"{INGEST_FAMILY}.{{tenant}}.{kind}" + (".{run_id}" if kind == "rollouts" else ""),
+        None,
+        (event,),
+        producers=f"a tenant's clients, publishing on {seen} in their own account (mapped here)",
+        consumers="registry (checks the write and stores it on the stream subject of that name)",
+        summary=f"a tenant's {event.__name__}; the reply is the stream's acknowledgement or an "
+        "error saying why nothing was stored (schemas/ingest.py)",
+        queue_group=INGEST_QUEUE_GROUP,
+    )
+    for kind, event, seen in (
+        ("submit", RunSubmitted, "plexrl.runs.<tenant>.submit"),
+        ("evict", EvictRequested, "plexrl.runs.<tenant>.evict"),
+        ("rollouts", RolloutBatch, "plexrl.rollouts.<tenant>.<run_id>"),
+    )
 )
