@@ -261,8 +261,12 @@ class Bus:
         fmt: Format = "json",
         wait: float = 0.0,
         outage_wait: float = 0.0,
+        settings: ProcessSettings | None = None,
     ) -> Bus:
         """Connect to ``url`` (comma-separated for a cluster) and provision streams and buckets.
+
+        Who connects (credentials, TLS, tenant) comes from ``settings``, by default the process
+        settings; a process acting for several tenants (the gateway) passes each one's.
 
         While no server answers, retry for up to ``wait`` seconds (0: fail at once), waiting
         0.25 s, then twice as long each time up to 5 s, and logging each wait. A server that
@@ -271,7 +275,7 @@ class Bus:
         (:attr:`outage_wait`).
         """
         servers = [u.strip() for u in url.split(",") if u.strip()]
-        settings = process_settings()
+        settings = settings or process_settings()
         options = connect_options(settings)
         deadline = time.monotonic() + wait
         delay, attempt = FIRST_RETRY_DELAY, 1

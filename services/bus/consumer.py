@@ -8,6 +8,11 @@ publisher's trace. Then, at this one boundary, the verdict:
 - the handler raises :class:`Reject` -> the same;
 - the handler raises :class:`Retry` or any other exception -> ``nak`` with a delay;
 - the handler returns -> ``ack`` (waiting for the server's confirmation).
+
+A service owns its durable consumers: :meth:`Consumer.start` finds an existing one with another
+config (another filter, a push delivery subject, other acknowledgement limits: what an operator
+or a misbehaving client changed) and puts it back to the config the service needs, updating it
+in place or, when the server cannot, making it anew; it logs and reports each such repair.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from nats.errors import ConnectionClosedError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import api
 from nats.js.client import JetStreamContext
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
@@ -73,6 +78,33 @@ class Delivery:
     async def in_progress(self) -> None:
         """Reset the ack timer while a long piece of work (a training step) holds the message."""
         await self.msg.in_progress()
+
+
+_OWNED = ("filter_subject", "ack_policy", "ack_wait", "max_deliver", "max_ack_pending")
+"""The fields of a durable consumer its service insists on (besides being a pull consumer with
+one filter)."""
+
+
+def config_drift(current: api.ConsumerConfig, wanted: api.ConsumerConfig) -> list[str]:
+    """How ``current`` differs from ``wanted`` in what a service insists on (empty: not at all)."""
+    drift = [
+        f"{f} {getattr(current, f)!r}, not {getattr(wanted, f)!r}"
+        for f in _OWNED
+        if _normal(f, getattr(current, f)) != _normal(f, getattr(wanted, f))
+    ]
+    if current.deliver_subject:
+        drift.append(f"push delivery to {current.deliver_subject!r}")
+    if current.filter_subjects:
+        drift.append(f"filter_subjects {current.filter_subjects!r}")
+    return drift
+
+
+def _normal(field_name: str, value: Any) -> Any:
+    if field_name == "max_deliver" and value is None:
+        return -1
+    if field_name == "ack_wait" and value is not None:
+        return round(float(value), 3)
+    return value
 
 
 def _pending(msgs: list[Msg]) -> int:
@@ -133,9 +165,12 @@ class Consumer(Generic[T]):
         self._tracer = tracing.tracer(f"plexrl.{bus.service}")
 
     async def start(self) -> Consumer[T]:
-        """Create (or look up) the consumer and subscribe; while JetStream is unavailable this
-        waits as long as the bus's ``outage_wait`` allows."""
+        """Create the consumer or restore its config (see the module docstring), and subscribe;
+        while JetStream is unavailable this waits as long as the bus's ``outage_wait`` allows."""
         if self._sub is None:
+            await self.bus.until_available(
+                self._own_config, f"checking consumer {self.durable} of {self.stream}"
+            )
             self._sub = await self.bus.until_available(
                 lambda: self.bus.js.pull_subscribe(
                     self.filter_subject,
@@ -146,6 +181,30 @@ class Consumer(Generic[T]):
                 f"creating consumer {self.durable or self.filter_subject} on {self.stream}",
             )
         return self
+
+    async def _own_config(self) -> None:
+        """Put an existing durable consumer back to :attr:`config` where it differs."""
+        if self.durable is None:
+            return
+        try:
+            info = await self.bus.js.consumer_info(self.stream, self.durable)
+        except NotFoundError:
+            return  # subscribing creates it
+        drift = config_drift(info.config, self.config)
+        if not drift:
+            return
+        what = f"consumer {self.durable} of stream {self.stream}"
+        try:
+            await self.bus.js.add_consumer(self.stream, config=self.config)
+            how = "updated in place"
+        except APIError as exc:  # a field the server does not change in place (push to pull)
+            log.debug("%s: update refused (%s); making it anew", what, exc)
+            await self.bus.js.delete_consumer(self.stream, self.durable)
+            await self.bus.js.add_consumer(self.stream, config=self.config)
+            how = "made anew"
+        message = f"{what} had been changed ({'; '.join(drift)}); {how} with its own config"
+        log.warning("%s: %s", self.bus.service, message)
+        await self.bus.report_error(message, consumer=self.durable, stream=self.stream)
 
     async def take_over(self) -> int:
         """Make what a dead predecessor held deliverable now; how many messages it held.

@@ -14,20 +14,15 @@ reported with :meth:`Bus.report_invalid` and skipped. Every message, decoded or 
 
 A stopped follower started again resumes after the last sequence it saw.
 
-A client of a tenant (``PLEXRL_TENANT`` other than ``default``) may create consumers only
-through the API subject that names the filter (``$JS.API.CONSUMER.CREATE.<stream>.<name>.
-<filter>``: the broker's permissions are written over it), which nats-py uses only for a
-consumer with a name. Such a follower names its consumer, with a fresh name each time nats-py
-recreates it (a reset after a gap or a server restart), since the server refuses to turn an
-existing consumer into one with another start; and it reads the stream's last sequence through
-a one-message consumer (:mod:`services.bus.last`), since direct get is not a tenant's to use.
+A tenant's client follows the same stream names in its own account, where the registry keeps
+its views of its runs' events (:mod:`services.tenants.views`): the code is the same for every
+client.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -37,10 +32,8 @@ from nats.aio.msg import Msg
 from nats.js import api
 
 from schemas.codec import DecodeError, decode
-from schemas.tenant import DEFAULT_TENANT
 from services.bus.bus import Bus
 from services.bus.last import last_message
-from services.config import process_settings
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +66,7 @@ class Follower(Generic[E]):
     accepts a subject): messages on other subjects of the filter only advance :attr:`seq`
     (following a whole stream keeps :attr:`seq` comparable with the stream's last sequence while
     only some subjects matter). Two missed ``heartbeat`` intervals make the consumer start again
-    after :attr:`seq`. ``tenant`` is the tenant this client acts for (default: the process
-    settings' ``tenant``); see the module docstring.
+    after :attr:`seq`.
     """
 
     def __init__(
@@ -88,7 +80,6 @@ class Follower(Generic[E]):
         start: Start = "all",
         decode_subjects: DecodeSubjects | None = None,
         heartbeat: float = 5.0,
-        tenant: str | None = None,
     ) -> None:
         self.bus = bus
         self.stream = stream
@@ -98,7 +89,6 @@ class Follower(Generic[E]):
         self.start_at: Start = start
         self.decode_subjects = decode_subjects
         self.heartbeat = heartbeat
-        self.tenant = process_settings().tenant if tenant is None else tenant
         self._seq = 0
         self._changed = asyncio.Condition()
         self._sub: Any = None
@@ -121,11 +111,8 @@ class Follower(Generic[E]):
         else:
             config.deliver_policy = api.DeliverPolicy.BY_START_SEQUENCE
             config.opt_start_seq = max(1, int(start))
-        named = self.tenant != DEFAULT_TENANT
 
         async def subscribe() -> Any:
-            if named:
-                config.name = _consumer_name()  # a try that landed took the previous one
             return await self.bus.js.subscribe(
                 self.subject,
                 stream=self.stream,
@@ -135,10 +122,7 @@ class Follower(Generic[E]):
                 config=config,
             )
 
-        sub = await self.bus.until_available(subscribe, f"following {self.subject}")
-        if named:
-            _rename_on_reset(sub)
-        self._sub = sub
+        self._sub = await self.bus.until_available(subscribe, f"following {self.subject}")
 
     async def stop(self) -> None:
         sub, self._sub = self._sub, None
@@ -193,32 +177,9 @@ class Follower(Generic[E]):
 
     async def last_seq(self) -> int:
         """The sequence of the stream's last message on this follower's subject (0 if none)."""
-        found = await last_message(self.bus, self.stream, self.subject, tenant=self.tenant)
+        found = await last_message(self.bus, self.stream, self.subject)
         return found.seq if found is not None else 0
 
     async def wait_until_caught_up(self, timeout: float = 10.0) -> None:
         """Wait until everything the stream held on the subject at this call has been received."""
         await self.wait_for_seq(await self.last_seq(), timeout)
-
-
-def _consumer_name() -> str:
-    return f"plexrl_follow_{uuid.uuid4().hex}"
-
-
-def _rename_on_reset(sub: Any) -> None:
-    """Give each consumer nats-py recreates for ``sub`` (an ordered push subscription) a name
-    of its own. nats-py keeps the first request's name, and the server refuses to change an
-    existing consumer's start; the consumer left behind goes away by its inactivity threshold."""
-    jsi = getattr(getattr(sub, "_sub", None), "_jsi", None)
-    recreate = getattr(jsi, "recreate_consumer", None)
-    if jsi is None or recreate is None:
-        raise RuntimeError(
-            "this nats-py has no ordered-consumer state where plexrl expects it "
-            "(JetStreamContext._JSI); a tenant's follower cannot survive a consumer reset"
-        )
-
-    async def recreate_named() -> None:
-        jsi._ccreq.name = _consumer_name()
-        await recreate()
-
-    jsi.recreate_consumer = recreate_named

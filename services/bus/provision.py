@@ -205,6 +205,37 @@ async def _ensure_max_bytes(
     return True
 
 
+async def ensure_stream(
+    js: JetStreamContext, spec: StreamSpec, replicas: int = 1, setting: str = ""
+) -> str | None:
+    """Create ``spec``'s stream, or update it in place where its settings differ (never below
+    what it holds, see the module docstring); what changed, or None. ``setting`` names the
+    setting of its byte limit in errors and warnings."""
+    wanted = spec.config(replicas)
+    try:
+        info = await js.stream_info(spec.name)
+    except NotFoundError:
+        await _add(js, wanted, f"stream {spec.name}", setting)
+        return f"created stream {spec.name}"
+    wanted.max_bytes = _fitting_max_bytes(info, spec.max_bytes, setting)
+    if not _differs(info.config, wanted):
+        return None
+    merged = dataclasses.replace(
+        info.config,
+        subjects=wanted.subjects,
+        description=wanted.description,
+        max_bytes=wanted.max_bytes,
+        max_age=wanted.max_age,
+        max_msgs_per_subject=wanted.max_msgs_per_subject,
+        discard=wanted.discard,
+        duplicate_window=wanted.duplicate_window,
+        allow_direct=wanted.allow_direct,
+        num_replicas=max(info.config.num_replicas or 1, replicas),
+    )
+    await _update(js, merged, f"stream {spec.name}", setting)
+    return f"updated stream {spec.name}"
+
+
 async def provision(
     js: JetStreamContext, replicas: int = 1, settings: ProcessSettings | None = None
 ) -> list[str]:
@@ -213,30 +244,9 @@ async def provision(
     settings = settings or process_settings()
     changed: list[str] = []
     for spec in stream_specs(settings):
-        setting = STREAM_SETTINGS[spec.name]
-        wanted = spec.config(replicas)
-        try:
-            info = await js.stream_info(spec.name)
-        except NotFoundError:
-            await _add(js, wanted, f"stream {spec.name}", setting)
-            changed.append(f"created stream {spec.name}")
-            continue
-        wanted.max_bytes = _fitting_max_bytes(info, spec.max_bytes, setting)
-        if _differs(info.config, wanted):
-            merged = dataclasses.replace(
-                info.config,
-                subjects=wanted.subjects,
-                description=wanted.description,
-                max_bytes=wanted.max_bytes,
-                max_age=wanted.max_age,
-                max_msgs_per_subject=wanted.max_msgs_per_subject,
-                discard=wanted.discard,
-                duplicate_window=wanted.duplicate_window,
-                allow_direct=wanted.allow_direct,
-                num_replicas=max(info.config.num_replicas or 1, replicas),
-            )
-            await _update(js, merged, f"stream {spec.name}", setting)
-            changed.append(f"updated stream {spec.name}")
+        done = await ensure_stream(js, spec, replicas, STREAM_SETTINGS[spec.name])
+        if done is not None:
+            changed.append(done)
     kv_bytes = _bytes(settings.kv_max_bytes)
     for bucket, description in sj.KV_BUCKETS.items():
         where = f"KV bucket {bucket}"

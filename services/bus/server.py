@@ -83,6 +83,10 @@ class EmbeddedNats:
     ``max_payload`` is the largest message in bytes (8 MiB; a stock server allows 1 MiB).
     ``max_file_store`` caps the JetStream file store in bytes (default: the server's own, 75%
     of the free disk); a small one shows what a full disk does.
+
+    ``config`` runs a complete config file as it is (``plexrl nats-config`` writes one, with its
+    own JetStream directory), on this server's address and port; ``store_dir`` then holds the
+    log only.
     """
 
     def __init__(
@@ -96,6 +100,7 @@ class EmbeddedNats:
         *,
         max_payload: int = MAX_PAYLOAD,
         max_file_store: int | None = None,
+        config: str | Path | None = None,
     ) -> None:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if store_dir is None:
@@ -112,6 +117,7 @@ class EmbeddedNats:
         self.include = Path(include).resolve() if include is not None else None
         self.max_payload = max_payload
         self.max_file_store = max_file_store
+        self.config = Path(config).resolve() if config is not None else None
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -155,6 +161,8 @@ class EmbeddedNats:
             text += f'include "{os.path.relpath(self.include, self.store_dir)}"\n'
         conf.write_text(text)
         cmd = [find_nats_server(), "-c", str(conf), "-a", self.host, "-p", str(self.port)]
+        if self.config is not None:
+            cmd[2] = str(self.config)
         if self.monitor_port:
             cmd += ["-m", str(self.monitor_port)]
         log_path = self.store_dir / "nats-server.log"
@@ -201,6 +209,26 @@ class EmbeddedNats:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+    def reload(self, timeout: float = 10.0) -> None:
+        """Have the server read its config again (SIGHUP, as ``nats-server --signal reload``)
+        and return once it says it has; :class:`NatsServerError` with its words if it refused."""
+        if self.proc is None or self.proc.poll() is not None:
+            raise NatsServerError("nats-server is not running: nothing to reload")
+        log_path = self.store_dir / "nats-server.log"
+        offset = log_path.stat().st_size if log_path.exists() else 0
+        self.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            written = _read_from(log_path, offset)
+            if b"Reloaded server configuration" in written:
+                return
+            if b"[ERR]" in written:
+                raise NatsServerError(
+                    f"nats-server refused the reload:\n{written.decode()[-2000:]}"
+                )
+            time.sleep(0.02)
+        raise NatsServerError(f"nats-server did not reload within {timeout}s")
 
     def kill(self) -> None:
         """Stop abruptly (SIGKILL), as a crash would."""
