@@ -1,4 +1,4 @@
-"""The tenants file: who may run what, read by the registry and written by ``plexrl tenants``.
+"""The tenants file: who may run what, read by the registry, the gateway and ``plexrl nats-config``.
 
 A TOML file (``PLEXRL_TENANTS_FILE``; ``plexrl tenants add`` creates it)::
 
@@ -7,14 +7,20 @@ A TOML file (``PLEXRL_TENANTS_FILE``; ``plexrl tenants add`` creates it)::
     max_waiting = 16            # runs waiting for an index
     max_lora_rank = 16
     max_samples_per_step = 4096 # batch_size * group_size of one step
+    max_run_dirs = 64           # run directories held (every status but forgotten)
+    max_store_bytes = 1073741824  # the broker's limits of the tenant's NATS account...
+    api_key_sha256 = "9f2c..."  # the SHA-256 of the tenant's gateway API key, never the key
 
-Without a file, or for the ``default`` tenant, there are no quotas beyond the pool itself.
-Credentials are not in this file: each tenant's nkey seed is a file of its own (see
-:mod:`services.tenants`), so the file can be shared with operators who must not hold them.
+Without a file, or for the ``default`` tenant, there are no quotas beyond the pool itself. The
+registry enforces the run quotas, ``plexrl nats-config`` writes the account limits into the
+server's config (the broker enforces them), and the gateway checks API keys against the digests.
+Credentials are not in this file: each tenant's nkey seed and API key are files of their own
+(see :mod:`services.tenants`), so the file can be shared with operators who must not hold them.
 """
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 
@@ -29,7 +35,8 @@ class TenantsFileError(ValueError):
 
 
 class TenantQuota(BaseModel):
-    """The limits of one tenant. ``None`` means no limit of the tenant's own."""
+    """The limits of one tenant and the digest of its gateway key. A run quota of ``None`` means
+    no limit of the tenant's own; the account limits always have a value (their defaults)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -38,6 +45,48 @@ class TenantQuota(BaseModel):
     max_lora_rank: int | None = Field(None, ge=1, le=1024)
     max_samples_per_step: int | None = Field(
         None, ge=1, le=10_000_000, description="batch_size * group_size of one step"
+    )
+    max_run_dirs: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="run directories held at once (every status but forgotten); a submit past it "
+        "is refused until the tenant deletes evicted runs (plexrl evict RUN --delete)",
+    )
+    # The broker's limits of the tenant's NATS account: `plexrl nats-config` writes them.
+    max_connections: int = Field(
+        64, ge=1, le=1_000_000, description="NATS connections of the tenant at once"
+    )
+    max_subscriptions: int = Field(
+        10_000, ge=16, le=10_000_000, description="NATS subscriptions of the tenant at once"
+    )
+    max_payload: int | None = Field(
+        None,
+        ge=1024,
+        le=64 * 1024 * 1024,
+        description="largest message the tenant may publish, in bytes (default: the server's)",
+    )
+    max_store_bytes: int = Field(
+        1 << 30,
+        ge=64 << 20,
+        le=1 << 50,
+        description="JetStream file storage of the tenant's account, its views of its own runs' "
+        "events included",
+    )
+    max_memory_bytes: int = Field(
+        64 << 20, ge=0, le=1 << 40, description="JetStream memory storage of the tenant's account"
+    )
+    max_streams: int = Field(
+        32, ge=2, le=100_000, description="JetStream streams of the tenant's account"
+    )
+    max_consumers: int = Field(
+        1024, ge=16, le=1_000_000, description="JetStream consumers of the tenant's account"
+    )
+    api_key_sha256: str | None = Field(
+        None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="SHA-256 (hex) of the tenant's gateway API key; the key itself is never "
+        "stored here",
     )
 
 
@@ -76,9 +125,8 @@ class TenantsFile(BaseModel):
         ]
         for name in sorted(self.tenants):
             lines.append(f"[tenants.{name}]")
-            for key, value in self.tenants[name].model_dump().items():
-                if value is not None:
-                    lines.append(f"{key} = {value}")
+            for key, value in self.tenants[name].model_dump(exclude_defaults=True).items():
+                lines.append(f"{key} = {json.dumps(value)}")
             lines.append("")
         return "\n".join(lines)
 

@@ -1,11 +1,13 @@
 """``plexrl tenants add|list|remove`` and ``plexrl nats-config``.
 
 ``tenants add NAME`` writes NAME's quotas into ``DIR/tenants.toml`` (default DIR:
-``./plexrl-auth``) and creates ``DIR/NAME.nk``, the tenant's nkey seed, unless it exists; hand
-that file to the tenant. ``nats-config`` writes the nats-server config that lets exactly these
-users in: the services (``DIR/services.nk``, created on first use) and each tenant with the
-permissions of :mod:`services.tenants.permissions`. Regenerate it after adding or removing a
-tenant and reload the server. Bad input changes nothing and exits with status 2.
+``./plexrl-auth``), creates ``DIR/NAME.nk``, the tenant's nkey seed, unless it exists, and gives
+a new tenant its gateway API key: ``DIR/NAME.key`` (mode 0600, printed once; the tenants file
+keeps only its SHA-256). Hand both files to the tenant. ``nats-config`` writes the nats-server
+config that lets exactly these users in: the services (``DIR/services.nk``, created on first use)
+in the services' account and each tenant in an account of its own
+(:mod:`services.tenants.accounts`). Regenerate it after adding or removing a tenant and reload
+the server twice, or restart it. Bad input changes nothing and exits with status 2.
 """
 
 from __future__ import annotations
@@ -24,14 +26,31 @@ from services.tenants.credentials import (
     SERVICES,
     TENANTS_FILE,
     CredentialsError,
+    api_key_digest,
     check_tenant_name,
     ensure_seed,
+    key_path,
+    new_api_key,
     public_key,
     seed_path,
+    write_api_key,
 )
 from services.tenants.nats_config import Tls, render_nats_config, users_of, write_atomically
 
-QUOTA_FLAGS = ("max_runs", "max_waiting", "max_lora_rank", "max_samples_per_step")
+QUOTA_FLAGS = (
+    "max_runs",
+    "max_waiting",
+    "max_lora_rank",
+    "max_samples_per_step",
+    "max_run_dirs",
+    "max_connections",
+    "max_subscriptions",
+    "max_payload",
+    "max_store_bytes",
+    "max_memory_bytes",
+    "max_streams",
+    "max_consumers",
+)
 
 
 def register(subparsers: Any) -> None:
@@ -46,9 +65,10 @@ def register(subparsers: Any) -> None:
         "add",
         help="add a tenant or change its quotas; create its seed file",
         description=(
-            "Write NAME's quotas into DIR/tenants.toml (flags not given keep their value) and "
-            "create DIR/NAME.nk, its nkey seed (mode 0600), unless it exists. Then run "
-            "`plexrl nats-config` and reload the server."
+            "Write NAME's quotas into DIR/tenants.toml (flags not given keep their value), "
+            "create DIR/NAME.nk, its nkey seed (mode 0600), unless it exists, and give a new "
+            "tenant its gateway API key, DIR/NAME.key (mode 0600, printed once). Then run "
+            "`plexrl nats-config` and reload the server twice (or restart it)."
         ),
     )
     add.add_argument("name", metavar="NAME", help="1-64 letters, digits, '_' or '-'")
@@ -61,6 +81,12 @@ def register(subparsers: Any) -> None:
             metavar="N",
             help=TenantQuota.model_fields[flag].description or flag.replace("_", " "),
         )
+    add.add_argument(
+        "--rotate-key",
+        action="store_true",
+        help="give the tenant a new API key (the old one stops working once the gateway "
+        "reloads the tenants file)",
+    )
     _dir_arg(add)
     add.set_defaults(func=_add)
 
@@ -70,9 +96,9 @@ def register(subparsers: Any) -> None:
 
     remove = sub.add_parser(
         "remove",
-        help="remove a tenant and delete its seed file",
-        description="Remove NAME from DIR/tenants.toml and delete DIR/NAME.nk. Then run "
-        "`plexrl nats-config` and reload the server: its key stops working then.",
+        help="remove a tenant and delete its seed and key files",
+        description="Remove NAME from DIR/tenants.toml and delete DIR/NAME.nk and DIR/NAME.key. "
+        "Then run `plexrl nats-config` and reload the server: its credentials stop working then.",
     )
     remove.add_argument("name", metavar="NAME")
     _dir_arg(remove)
@@ -84,8 +110,9 @@ def register(subparsers: Any) -> None:
         help="write the nats-server config with the services' and tenants' users",
         description=(
             "Write a complete nats-server config: listen address, JetStream and payload limit "
-            "(or a base config copied verbatim), one user per nkey public key (the services "
-            "with every subject, each tenant with its own subjects only) and TLS."
+            "(or a base config copied verbatim), the services' account with the services' "
+            "nkey user, one account per tenant (its user, its limits, the imports of its own "
+            "slice) and TLS."
         ),
     )
     _dir_arg(conf)
@@ -149,28 +176,37 @@ def _add(args: argparse.Namespace) -> int:
         given = {f: getattr(args, f) for f in QUOTA_FLAGS if getattr(args, f) is not None}
         current = tenants.tenants.get(name, TenantQuota()).model_dump()
         quota = TenantQuota.model_validate(current | given)
-        updated = TenantsFile(tenants=tenants.tenants | {name: quota})
     except ValidationError as exc:
         return _fail("tenants add", format_validation_error(exc))
     except ValueError as exc:  # an illegal name, an unreadable tenants file
         return _fail("tenants add", exc)
+    key = None
+    if quota.api_key_sha256 is None or args.rotate_key:
+        key = new_api_key()
+        quota = quota.model_copy(update={"api_key_sha256": api_key_digest(key)})
     try:
-        key, created = ensure_seed(seed_path(args.dir, name))
+        nkey, created = ensure_seed(seed_path(args.dir, name))
         ensure_seed(seed_path(args.dir, SERVICES))
+        if key is not None:
+            write_api_key(key_path(args.dir, name), key)
     except (CredentialsError, OSError) as exc:
         return _fail("tenants add", exc)
-    save_tenants(path, updated)
-    limits = _limits(quota)
+    save_tenants(path, TenantsFile(tenants=tenants.tenants | {name: quota}))
     seed = seed_path(args.dir, name)
-    print(f"tenant {name}: {limits}; written to {path}")
-    print(f"  seed {seed} ({'created' if created else 'kept'}), public key {key}")
-    print(f"  next: plexrl nats-config --dir {args.dir}, reload the server, hand {seed} to {name}")
+    print(f"tenant {name}: {_limits(quota)}; written to {path}")
+    print(f"  seed {seed} ({'created' if created else 'kept'}), public key {nkey}")
+    if key is not None:
+        print(f"  gateway API key (shown once; also in {key_path(args.dir, name)}): {key}")
+    print(
+        f"  next: plexrl nats-config --dir {args.dir}, reload the server twice (or restart it), "
+        f"hand {seed} and the API key to {name}"
+    )
     return 0
 
 
 def _limits(quota: TenantQuota) -> str:
-    set_ = {k: v for k, v in quota.model_dump().items() if v is not None}
-    return ", ".join(f"{k} {v}" for k, v in set_.items()) or "no quotas"
+    set_ = quota.model_dump(exclude_defaults=True, exclude={"api_key_sha256"})
+    return ", ".join(f"{k} {v}" for k, v in set_.items()) or "default quotas"
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -186,7 +222,8 @@ def _list(args: argparse.Namespace) -> int:
             key = public_key(seed_path(args.dir, name))
         except CredentialsError as exc:
             key = f"(no usable seed: {exc})"
-        print(f"{name}\t{_limits(tenants.tenants[name])}\t{key}")
+        has_key = "API key set" if tenants.tenants[name].api_key_sha256 else "no API key"
+        print(f"{name}\t{_limits(tenants.tenants[name])}\t{key}\t{has_key}")
     return 0
 
 
@@ -202,8 +239,12 @@ def _remove(args: argparse.Namespace) -> int:
     rest = {k: v for k, v in tenants.tenants.items() if k != args.name}
     save_tenants(path, TenantsFile(tenants=rest))
     seed_path(args.dir, args.name).unlink(missing_ok=True)
-    print(f"removed tenant {args.name} from {path} and deleted its seed file")
-    print(f"  next: plexrl nats-config --dir {args.dir} and reload the server to revoke its key")
+    key_path(args.dir, args.name).unlink(missing_ok=True)
+    print(f"removed tenant {args.name} from {path} and deleted its seed and key files")
+    print(
+        f"  next: plexrl nats-config --dir {args.dir} and reload the server to revoke its "
+        "credentials"
+    )
     return 0
 
 
@@ -235,5 +276,8 @@ def _nats_config(args: argparse.Namespace) -> int:
         return 0
     write_atomically(out, text)
     tenants = [u.name for u in users if u.name != SERVICES]
-    print(f"wrote {out}: the services and {len(tenants)} tenant(s) {', '.join(tenants)}")
+    print(
+        f"wrote {out}: the services' account and {len(tenants)} tenant account(s) "
+        f"{', '.join(tenants)}; reload the server twice (nats-server --signal reload) or restart it"
+    )
     return 0

@@ -1,4 +1,5 @@
-"""nkey credentials: one user seed file per tenant, and one for the services.
+"""Credentials: one nkey seed file per tenant (and one for the services), one gateway API key per
+tenant.
 
 A seed file holds one NATS user nkey seed (``SU...``), readable by its owner only (mode 0600).
 The client signs the server's nonce with it; the server's config holds only the matching
@@ -7,13 +8,19 @@ point the services at ``services.nk`` with ``PLEXRL_NATS_CREDS``.
 
 The directory (``./plexrl-auth`` by default) holds::
 
-    tenants.toml     quotas per tenant (services.config.tenants), no secrets
+    tenants.toml     quotas per tenant (services.config.tenants) and key digests, no secrets
     services.nk      the services' seed
     <tenant>.nk      each tenant's seed
+    <tenant>.key     each tenant's gateway API key (``tml-...``, mode 0600); the gateway holds
+                     only its SHA-256, from tenants.toml
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import hashlib
+import hmac
 import os
 import tempfile
 from pathlib import Path
@@ -27,6 +34,9 @@ TENANTS_FILE = "tenants.toml"
 SERVICES = "services"
 """The name of the services' credential; no tenant may take it."""
 SEED_SUFFIX = ".nk"
+KEY_SUFFIX = ".key"
+API_KEY_PREFIX = "tml-plexrl-"
+"""API keys start with ``tml-`` because the ``tinker`` SDK accepts no other."""
 
 
 class CredentialsError(ValueError):
@@ -96,3 +106,39 @@ def ensure_seed(path: Path) -> tuple[str, bool]:
     finally:
         os.unlink(tmp)
     return public_key(path), True
+
+
+def key_path(directory: Path, name: str) -> Path:
+    """``directory/<name>.key``: a tenant's gateway API key."""
+    return Path(directory) / f"{validate_tenant(name)}{KEY_SUFFIX}"
+
+
+def new_api_key() -> str:
+    """A fresh API key: ``tml-plexrl-`` and 256 random bits (43 URL-safe characters)."""
+    return API_KEY_PREFIX + base64.urlsafe_b64encode(os.urandom(32)).decode().rstrip("=")
+
+
+def api_key_digest(key: str) -> str:
+    """The SHA-256 (hex) of an API key: what the tenants file and the gateway hold."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def key_matches(key: str, digest: str) -> bool:
+    """Whether ``key`` is the key of ``digest`` (compared in constant time)."""
+    return hmac.compare_digest(api_key_digest(key), digest)
+
+
+def write_api_key(path: Path, key: str) -> None:
+    """Write ``key`` to ``path`` (mode 0600), replacing any key there, atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(key + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise

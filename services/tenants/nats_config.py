@@ -1,11 +1,15 @@
-"""The nats-server configuration of an authenticated plexrl: users by nkey, TLS, JetStream.
+"""The nats-server configuration of an authenticated plexrl: accounts, nkey users, TLS, JetStream.
 
 ``render_nats_config`` writes a complete config: the settings of the embedded server of
 ``plexrl up`` (services/bus/server.py), or a base config copied verbatim (a deployment's own
-``nats.conf``), then an ``authorization`` block with one user per nkey public key: the services'
-user with every subject, and one user per tenant with :func:`tenant_permissions`. Users live in
-the server's global account, so turning authentication on keeps the streams a server already
-holds. Clients without a known key are refused.
+``nats.conf``), then an ``accounts`` block (:func:`render_accounts`): the services' account
+with the services' user, and one account per tenant with the tenant's user, the broker's limits
+of its quota and the imports of :mod:`services.tenants.accounts`. Users are nkeys: the server
+holds only public keys. Clients without a known key are refused.
+
+Adding a tenant to a running server: regenerate the config, then reload the server twice
+(``nats-server --signal reload``): nats-server (2.10 to 2.15 at least) creates a new account on
+the first reload but subscribes its service imports only on the next one; a restart does both.
 """
 
 from __future__ import annotations
@@ -15,7 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.bus.server import MAX_PAYLOAD
-from services.config.tenants import load_tenants
+from services.config.tenants import TenantQuota, load_tenants
+from services.tenants.accounts import (
+    JS_API,
+    SERVICES_ACCOUNT,
+    tenant_account,
+    tenant_js_prefix,
+    tenant_shares,
+)
 from services.tenants.credentials import (
     SERVICES,
     TENANTS_FILE,
@@ -23,16 +34,16 @@ from services.tenants.credentials import (
     public_key,
     seed_path,
 )
-from services.tenants.permissions import Permissions, services_permissions, tenant_permissions
 
 
 @dataclass(frozen=True)
 class User:
-    """One NATS user: who it is (a tenant, or the services), its public key, its permissions."""
+    """One NATS user: who it is (a tenant, or the services), its public key and, for a tenant,
+    its quota (the limits of its account)."""
 
     name: str
     nkey: str
-    permissions: Permissions
+    quota: TenantQuota | None = None
 
 
 @dataclass(frozen=True)
@@ -50,10 +61,10 @@ def users_of(directory: Path) -> list[User]:
     ``directory/tenants.toml``, whose seed files must exist."""
     directory = Path(directory)
     services_key, _ = ensure_seed(seed_path(directory, SERVICES))
-    users = [User(SERVICES, services_key, services_permissions())]
-    for name in sorted(load_tenants(directory / TENANTS_FILE).tenants):
-        key = public_key(seed_path(directory, name))
-        users.append(User(name, key, tenant_permissions(name)))
+    users = [User(SERVICES, services_key)]
+    tenants = load_tenants(directory / TENANTS_FILE).tenants
+    for name in sorted(tenants):
+        users.append(User(name, public_key(seed_path(directory, name)), tenants[name]))
     return users
 
 
@@ -62,28 +73,88 @@ def _quote(value: str | Path) -> str:
     return json.dumps(str(value))
 
 
-def _subject_list(subjects: tuple[str, ...]) -> str:
-    inner = "".join(f"\n          {_quote(s)}" for s in subjects)
-    return f"[{inner}\n        ]"
+def _service_import(account: str, subject: str, to: str) -> str:
+    mapped = f", to: {_quote(to)}" if to != subject else ""
+    return f"{{ service: {{ account: {_quote(account)}, subject: {_quote(subject)} }}{mapped} }}"
 
 
-def render_authorization(users: list[User]) -> str:
-    """The ``authorization`` block: one nkey user per entry of ``users``."""
-    lines = ["authorization {", "  users: ["]
-    for user in users:
-        who = "the services" if user.name == SERVICES else f"tenant {user.name}"
-        lines.append(f"    # {who}")
-        perms = user.permissions
-        if perms.publish is None and perms.subscribe is None:
-            lines.append(f"    {{ nkey: {_quote(user.nkey)} }}")
-            continue
-        lines.append(f"    {{ nkey: {_quote(user.nkey)}, permissions: {{")
-        if perms.publish is not None:
-            lines.append(f"        publish: {{ allow: {_subject_list(perms.publish)} }}")
-        if perms.subscribe is not None:
-            lines.append(f"        subscribe: {{ allow: {_subject_list(perms.subscribe)} }}")
-        lines.append("    } }")
-    lines += ["  ]", "}"]
+def _stream_import(account: str, subject: str, to: str) -> str:
+    mapped = f", to: {_quote(to)}" if to != subject else ""
+    return f"{{ stream: {{ account: {_quote(account)}, subject: {_quote(subject)} }}{mapped} }}"
+
+
+def _block(name: str, lines: list[str]) -> list[str]:
+    return [f"    {name}: [", *(f"      {line}" for line in lines), "    ]"]
+
+
+def _services_account(services: User, tenants: list[User]) -> list[str]:
+    exports: list[str] = []
+    imports: list[str] = []
+    for user in tenants:
+        account = _quote(tenant_account(user.name))
+        exports.append(f"# tenant {user.name}")
+        for share in tenant_shares(user.name):
+            exports.append(
+                f"{{ {share.kind}: {_quote(share.services_subject)}, accounts: [{account}] }}"
+            )
+        imports.append(
+            _service_import(
+                tenant_account(user.name), f"{JS_API}.>", f"{tenant_js_prefix(user.name)}.>"
+            )
+        )
+    lines = [
+        f"  {_quote(SERVICES_ACCOUNT)}: {{",
+        "    # the services: every stream, KV bucket and object store lives here",
+        "    jetstream: enabled",
+        f"    users: [ {{ nkey: {_quote(services.nkey)} }} ]",
+    ]
+    if exports:
+        lines += _block("exports", exports)
+    if imports:
+        lines += _block("imports", imports)
+    return [*lines, "  }"]
+
+
+def _tenant_account(user: User) -> list[str]:
+    quota = user.quota or TenantQuota()
+    limits = [
+        f"max_connections: {quota.max_connections}",
+        f"max_subscriptions: {quota.max_subscriptions}",
+    ]
+    if quota.max_payload is not None:
+        limits.append(f"max_payload: {quota.max_payload}")
+    jetstream = (
+        f"max_file: {quota.max_store_bytes}, max_mem: {quota.max_memory_bytes}, "
+        f"max_streams: {quota.max_streams}, max_consumers: {quota.max_consumers}"
+    )
+    imports = []
+    for share in tenant_shares(user.name):
+        render = _service_import if share.kind == "service" else _stream_import
+        imports.append(render(SERVICES_ACCOUNT, share.services_subject, share.tenant_subject))
+    return [
+        f"  {_quote(tenant_account(user.name))}: {{",
+        f"    # tenant {user.name}",
+        f"    jetstream: {{ {jetstream} }}",
+        f"    limits: {{ {', '.join(limits)} }}",
+        f"    users: [ {{ nkey: {_quote(user.nkey)} }} ]",
+        # the registry keeps this account's views of its runs' events (PLEXRL_RUNS, ...)
+        *_block(
+            "exports",
+            [f"{{ service: {_quote(JS_API + '.>')}, accounts: [{_quote(SERVICES_ACCOUNT)}] }}"],
+        ),
+        *_block("imports", imports),
+        "  }",
+    ]
+
+
+def render_accounts(users: list[User]) -> str:
+    """The ``accounts`` block: the services' account and one account per tenant."""
+    services = next(u for u in users if u.name == SERVICES)
+    tenants = [u for u in users if u.name != SERVICES]
+    lines = ["accounts {", *_services_account(services, tenants)]
+    for user in tenants:
+        lines += _tenant_account(user)
+    lines.append("}")
     return "\n".join(lines) + "\n"
 
 
@@ -119,12 +190,12 @@ def render_nats_config(
     store_dir: Path = Path("plexrl-jetstream"),
     tls: Tls | None = None,
 ) -> str:
-    """A complete nats-server config: ``base`` (or :func:`render_base`), users, TLS."""
+    """A complete nats-server config: ``base`` (or :func:`render_base`), accounts, TLS."""
     parts = [
-        "# Written by `plexrl nats-config`: regenerate it after `plexrl tenants add/remove`,\n"
-        "# then reload the server (nats-server --signal reload, or restart it).\n",
+        "# Written by `plexrl nats-config`: regenerate it after `plexrl tenants add/remove`, then\n"
+        "# reload the server twice (nats-server --signal reload) or restart it.\n",
         base if base is not None else render_base(listen, store_dir),
-        render_authorization(users),
+        render_accounts(users),
     ]
     if tls is not None:
         parts.append(render_tls(tls))
