@@ -2,7 +2,9 @@
 
 ``submit`` checks the run id and the config locally first (a clear message and exit status 2
 for a mistake), then publishes RunSubmitted; with ``--wait`` it also waits for the registry's
-answer. ``evict`` publishes EvictRequested. ``runs`` prints the run table from KV
+answer. With accounts the registry answers a tenant's submit or evict itself: a refusal is the
+publish's error, printed with exit status 1. ``evict`` publishes EvictRequested (``--delete``:
+also delete an evicted run's directory, freeing its id and the tenant's ``max_run_dirs``). ``runs`` prints the run table from KV
 ``plexrl-registry`` joined with the progress in KV ``plexrl-progress``.
 
 Each command acts for the tenant of ``PLEXRL_TENANT`` (default ``default``): ``submit`` and
@@ -54,7 +56,13 @@ def register(subparsers: Any) -> None:
         description="Publish an EvictRequested event; the registry writes control/evicted.txt.",
     )
     evict.add_argument("run_id", metavar="RUN_ID")
-    evict.add_argument("--reason", required=True, help="why (written to control/evicted.txt)")
+    evict.add_argument("--reason", default="", help="why (written to control/evicted.txt)")
+    evict.add_argument(
+        "--delete",
+        action="store_true",
+        help="delete the directory of a run already evicted or invalid (its checkpoints too): "
+        "the run is forgotten and its id free again",
+    )
     add_common_args(evict, config=False)
     evict.set_defaults(func=_evict)
 
@@ -129,10 +137,16 @@ async def _publish_submit(bus: Any, run_id: str, config: Any, wait: float) -> in
     )
     subject = sj.runs_subject("submit", tenant)
     # a full PLEXRL_RUNS is an error at once (exit 1, saying which limit), not a silent wait
-    ack = await bus.publish(
-        subject, event, msg_id=f"{run_id}/submit/{uuid.uuid4().hex}", full_wait=0
+    ack = await _refused_or(
+        "submit",
+        bus.publish(subject, event, msg_id=f"{run_id}/submit/{uuid.uuid4().hex}", full_wait=0),
     )
-    print(f"submitted {run_id} (config {digest}, stream sequence {ack.seq})")
+    if ack is None:
+        return 1
+    if ack.duplicate and not ack.seq:
+        print(f"{run_id} is already held with this config (config {digest})")
+    else:
+        print(f"submitted {run_id} (config {digest}, stream sequence {ack.seq})")
     if wait > 0:
         return await _await_answer(bus, run_id, digest, answers, wait, tenant)
     print("follow it with `plexrl runs`")
@@ -203,10 +217,24 @@ def _evict(args: argparse.Namespace) -> int:
     except InvalidRunId as exc:
         print(f"plexrl evict: {exc}", file=sys.stderr)
         return 2
-    return _connected(args, lambda bus: _publish_evict(bus, run_id, args.reason))
+    if not args.reason and not args.delete:
+        print("plexrl evict: say why with --reason (or --delete an evicted run)", file=sys.stderr)
+        return 2
+    return _connected(args, lambda bus: _publish_evict(bus, run_id, args.reason, args.delete))
 
 
-async def _publish_evict(bus: Any, run_id: str, reason: str) -> int:
+async def _refused_or(command: str, publish: Awaitable[Any]) -> Any:
+    """The acknowledgement of ``publish``, or None after printing the registry's refusal."""
+    from nats.js.errors import APIError
+
+    try:
+        return await publish
+    except APIError as exc:
+        print(f"plexrl {command}: refused: {exc.description}", file=sys.stderr)
+        return None
+
+
+async def _publish_evict(bus: Any, run_id: str, reason: str, delete: bool = False) -> int:
     from schemas import subjects as sj
     from schemas.events import EvictRequested
 
@@ -216,9 +244,22 @@ async def _publish_evict(bus: Any, run_id: str, reason: str) -> int:
     except Exception as exc:  # only the note below needs it: the request goes out anyway
         print(f"note: cannot read {run_id}'s status ({exc})", file=sys.stderr)
         record = None
-    event = EvictRequested(run_id=run_id, reason=reason[:16000], requested_by="plexrl evict")
+    event = EvictRequested(
+        run_id=run_id,
+        reason=reason[:16000] or "deleted",
+        requested_by="plexrl evict",
+        delete=delete,
+    )
     subject = sj.runs_subject("evict", tenant)
-    await bus.publish(subject, event, msg_id=f"{run_id}/evict/{uuid.uuid4().hex}", full_wait=0)
+    ack = await _refused_or(
+        "evict",
+        bus.publish(subject, event, msg_id=f"{run_id}/evict/{uuid.uuid4().hex}", full_wait=0),
+    )
+    if ack is None:
+        return 1
+    if delete:
+        print(f"asked the registry to delete {run_id}")
+        return 0
     print(f"asked the registry to evict {run_id}: {reason}")
     if record is None or record.status in ("evicted", "forgotten"):
         # sent anyway: the registry may find the directory the table does not list yet

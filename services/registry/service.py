@@ -15,7 +15,9 @@ Every run belongs to a tenant: the one whose subject its first submit came on
 its quotas (:mod:`.tenancy`), may not take a run id another tenant owns, and a tenant evicts only
 its own runs (the default tenant may evict any). Free indices go to waiting runs by fair share
 across tenants (:mod:`.fair_share`). The registry also answers ``plexrl.registry[.<tenant>].list``
-(:mod:`.listing`).
+(:mod:`.listing`) and, with accounts, tenants' writes (:mod:`.ingest`), and keeps each tenant's
+views of its runs' events in the tenant's account (:mod:`services.tenants.views`). It reads the
+tenants file again when it changes.
 
 One lock serialises every state change, so a scan, a submit and an eviction never interleave.
 """
@@ -28,6 +30,7 @@ import logging
 import time
 import uuid
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
@@ -35,17 +38,18 @@ import msgspec
 from schemas import subjects as sj
 from schemas.config import dump_toml
 from schemas.events import EvictRequested, RunConfigInvalid, RunSubmitted
-from schemas.records import RunRecord, RunStatus
+from schemas.records import RunRecord
 from schemas.tenant import DEFAULT_TENANT
 from services.bus import Bus, Consumer, Delivery, Reject
-from services.config.tenants import TenantsFile, load_tenants
+from services.config.tenants import TenantsFile, TenantsFileError, load_tenants
 from services.launch.faults import crash_point
 from services.registry import discovery as fs
+from services.registry.ingest import Ingest
 from services.registry.ledger import Ledger, RegistryError
 from services.registry.listing import RunListService
-from services.registry.pool import IndexPool
+from services.registry.removal import HOLDING, Removals
 from services.registry.settings import RegistrySettings
-from services.registry.tenancy import evict_refusal, foreign_owner, quota_refusal, unknown_tenant
+from services.registry.tenancy import foreign_owner, quota_refusal, unknown_tenant
 from services.registry.validation import Validator, Verdict, file_digest, make_validator
 
 __all__ = ["Registry", "RegistryError"]
@@ -53,10 +57,10 @@ __all__ = ["Registry", "RegistryError"]
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_HOLDING: tuple[RunStatus, ...] = ("active", "waiting", "invalid")
+_HOLDING = HOLDING
 
 
-class Registry:
+class Registry(Removals):
     """Discovers, validates, indexes, evicts and forgets runs; see the module docstring."""
 
     def __init__(
@@ -86,8 +90,10 @@ class Registry:
                 "registry: no tenants file at %s yet: only the default tenant",
                 settings.tenants_file,
             )
+        self._tenants_stamp = _stamp(settings.tenants_file)
         self.ledger = Ledger(bus, settings.max_runs, lambda t: self.tenants.quota(t).max_runs)
         self.listing = RunListService(bus, lambda: list(self.ledger.records.values()))
+        self.ingest = Ingest(bus, self, settings.ingest_max_request_bytes)
         self._stamps: dict[str, tuple[int, int, int] | None] = {}  # orch.toml as last read
         self._reported: set[str] = set()
         self._lock = asyncio.Lock()
@@ -97,10 +103,6 @@ class Registry:
         self._consumers: list[Consumer[Any]] = []
 
     # --- read side -------------------------------------------------------------------------
-
-    @property
-    def pool(self) -> IndexPool:
-        return self.ledger.pool
 
     @property
     def records(self) -> dict[str, RunRecord]:
@@ -143,6 +145,9 @@ class Registry:
             self._tasks.append(asyncio.create_task(consumer.run(handler, self._stop)))
         self._tasks.append(asyncio.create_task(self._scan_loop()))
         await self.listing.start()
+        for tenant in sorted(self.tenants.tenants):
+            await self.ingest.ensure_views(tenant)
+        await self.ingest.start()
         held = sum(r.status in _HOLDING for r in self.ledger.records.values())
         log.info(
             "registry: serving %s (%d runs held, max_runs=%d, %d tenants besides the default)",
@@ -155,6 +160,7 @@ class Registry:
     async def stop(self) -> None:
         self._stop.set()
         self._scan_wanted.set()
+        await self.ingest.stop()
         await self.listing.stop()
         tasks, self._tasks = self._tasks, []
         # Holding the lock, no state change is cut in half; a message whose handler is still
@@ -215,7 +221,28 @@ class Registry:
         await self.submit(event, delivery.stream_sequence, _tenant_of(delivery))
 
     async def _on_evict(self, event: EvictRequested, delivery: Delivery) -> None:
-        await self.evict(event.run_id, event.reason, event.requested_by, _tenant_of(delivery))
+        tenant = _tenant_of(delivery)
+        if event.delete:
+            await self._serialised(self._delete_locked(event.run_id, event.requested_by, tenant))
+            return
+        await self.evict(event.run_id, event.reason, event.requested_by, tenant)
+
+    async def reload_tenants(self) -> None:
+        """Read the tenants file again if it changed, and keep the views of new tenants."""
+        stamp = _stamp(self.settings.tenants_file)
+        if stamp == self._tenants_stamp:
+            return
+        self._tenants_stamp = stamp
+        try:
+            tenants = load_tenants(self.settings.tenants_file)
+        except TenantsFileError as exc:
+            log.error("registry: keeping the tenants it had: %s", exc)
+            return
+        added = sorted(set(tenants.tenants) - set(self.tenants.tenants))
+        self.tenants = tenants
+        log.info("registry: tenants file reloaded (%d tenants)", len(tenants.tenants))
+        for tenant in added:
+            await self.ingest.ensure_views(tenant)
 
     async def _scan_loop(self) -> None:
         while not self._stop.is_set():
@@ -227,6 +254,7 @@ class Registry:
             if self._stop.is_set():
                 break
             try:
+                await self.reload_tenants()
                 await self.scan()
             except Exception:
                 log.exception("registry: scan of %s failed; retrying later", self.output_dir)
@@ -331,28 +359,6 @@ class Registry:
         new = base.next("invalid", error=error, file_digest=digest, submit_seq=submit_seq)
         await self.ledger.commit(new)
 
-    async def _forget(self, rec: RunRecord) -> None:
-        self._stamps.pop(rec.run_id, None)
-        released = self.pool.release(rec.run_id)
-        self.pool.dequeue(rec.run_id)
-        log.info("registry: %s forgotten (its directory is gone)", rec.run_id)
-        await self.ledger.commit(rec.next("forgotten", released_idx=released))
-
-    async def _mark_evicted(self, rec: RunRecord, reason: str, requested_by: str = "") -> None:
-        run_id = rec.run_id
-        if not (fs.control_dir(self.output_dir, run_id) / fs.EVICTED).exists():
-            await asyncio.to_thread(fs.write_evicted, self.output_dir, run_id, reason)
-        crash_point("registry.evicted_txt", run_id)
-        released = self.pool.release(run_id)
-        self.pool.dequeue(run_id)
-        by = f" (requested by {requested_by})" if requested_by else ""
-        log.warning("registry: %s evicted%s: %s", run_id, by, reason)
-        new = rec.next(
-            "evicted", reason=reason, released_idx=released, config_digest=rec.config_digest
-        )
-        await self.ledger.commit(new)
-        await self.ledger.settle()  # the freed index goes to the oldest waiting run
-
     # --- submit and evict ------------------------------------------------------------------
 
     async def _submit_locked(self, event: RunSubmitted, seq: int, tenant: str) -> None:
@@ -377,7 +383,7 @@ class Registry:
         if (owner := foreign_owner(rec, tenant)) is not None:
             # The owner's record and index stay as they are; the requester learns only that the
             # id is taken, the operators (plexrl.errors.registry) by whom.
-            error = f"run id {run_id} belongs to another tenant; choose another run id"
+            error = f"run id {run_id} is taken; choose another run id"
             await self._refuse_submit(run_id, tenant, error, seq)
             why = f"refused a submit of {run_id} by tenant {tenant}: it belongs to tenant {owner}"
             await self._refuse(None, why, run=run_id, tenant=tenant, owner=owner)
@@ -435,15 +441,6 @@ class Registry:
             "evict it or choose another run id",
         )
 
-    async def _refuse(self, run_id: str | None, error: str, **context: str) -> None:
-        """Refuse a request that changes nothing: a ServiceError on plexrl.errors.<service>.
-
-        A refusal caused by another tenant names no ``run_id``: the owner's clients take a
-        registry error about their run as a rejection of it.
-        """
-        log.warning("registry: %s", error)
-        await self.bus.report_error(error, run_id=run_id, **context)
-
     async def _refuse_submit(self, run_id: str, tenant: str, error: str, seq: int) -> None:
         """Refuse ``tenant``'s submit: a RunConfigInvalid on the tenant's own invalid subject."""
         log.warning("registry: refused %s for tenant %s: %s", run_id, tenant, error)
@@ -452,32 +449,14 @@ class Registry:
         event = RunConfigInvalid(run_id=run_id, error=error[:16000], tenant=tenant)
         await self.bus.publish(sj.runs_subject("invalid", tenant), event, msg_id=mid)
 
-    async def _evict_locked(self, run_id: str, reason: str, requested_by: str, tenant: str) -> bool:
-        rec = self.ledger.get(run_id)
-        if rec is None or rec.status == "forgotten":
-            # it may have appeared since the last scan
-            state = fs.inspect_run_dir(self.output_dir, run_id)
-            if state is not None:
-                await self._reconcile(state)
-                await self.ledger.settle()
-                rec = self.ledger.get(run_id)
-        if (refusal := evict_refusal(rec, tenant)) is not None:
-            by = requested_by or "unknown"
-            await self._refuse(None, refusal, run=run_id, tenant=tenant, requested_by=by)
-            return False
-        if rec is not None and rec.status == "evicted":
-            log.info("registry: %s is already evicted; ignoring a second request", run_id)
-            return True
-        if rec is None or rec.status not in _HOLDING:
-            await self._refuse(
-                run_id,
-                f"cannot evict {run_id}: no such run in this registry (output_dir "
-                f"{self.output_dir}); check the id with `plexrl runs`",
-                requested_by=requested_by or "unknown",
-            )
-            return False
-        await self._mark_evicted(rec, reason or "evicted (no reason given)", requested_by)
-        return True
+
+def _stamp(path: Path | None) -> tuple[int, int] | None:
+    """When and how big the tenants file was last written (None: no file)."""
+    try:
+        st = path.stat() if path is not None else None
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size) if st is not None else None
 
 
 def _tenant_of(delivery: Delivery) -> str:

@@ -60,6 +60,13 @@ class RegistrySettings(BaseModel):
         description="the tenants file (TOML, `plexrl tenants add` writes it): which tenants may "
         "submit runs and their quotas; unset: only the default tenant, no quotas",
     )
+    ingest_max_request_bytes: int = Field(
+        256 * 1024,
+        ge=4096,
+        le=64 * 1024 * 1024,
+        description="largest submit or evict request a tenant may send (with accounts, the "
+        "registry checks tenants' writes before storing them)",
+    )
     consumer_name: Token = Field(
         "registry",
         description="prefix of the durable consumers on plexrl.runs[.<tenant>].submit / .evict; "

@@ -6,7 +6,8 @@ nothing is written, when
 - the tenant is not in the tenants file (the default tenant always is);
 - the run asks for a LoRA rank above the tenant's ``max_lora_rank``;
 - one step of the run (``batch_size * group_size`` samples) is above ``max_samples_per_step``;
-- the run would wait for an index while the tenant already has ``max_waiting`` runs waiting.
+- the run would wait for an index while the tenant already has ``max_waiting`` runs waiting;
+- the tenant already holds ``max_run_dirs`` run directories (every status but forgotten).
 
 ``max_runs`` refuses nothing: a run past it waits, and :mod:`.fair_share` gives it an index once
 the tenant holds fewer. Each refusal names the quota and the numbers, so the tenant knows what to
@@ -67,6 +68,14 @@ def quota_refusal(
     if not tenants.knows(tenant):
         return unknown_tenant(tenant)
     quota = tenants.quota(tenant)
+    records = list(records)
+    if quota.max_run_dirs is not None:
+        held = sum(r.tenant == tenant and r.status != "forgotten" for r in records)
+        if held >= quota.max_run_dirs:
+            return (
+                f"tenant {tenant} quota max_run_dirs = {quota.max_run_dirs}: it holds {held} "
+                "run directories; delete evicted runs (plexrl evict RUN --delete) to make room"
+            )
     rank = config.model.lora.rank
     if quota.max_lora_rank is not None and rank > quota.max_lora_rank:
         return (
