@@ -254,7 +254,7 @@ class Backend:
     async def published_version(self, run_id: str) -> int:
         """The version of the run's newest WeightsReady (0, the base, when it has none)."""
         subject = tenant_weights_subject(run_id, self.tenant)
-        stored = await last_message(self.bus, WEIGHTS_STREAM, subject, tenant=self.tenant)
+        stored = await last_message(self.bus, WEIGHTS_STREAM, subject)
         if stored is None:
             return 0
         return decode(stored.data, WeightsReady, stored.headers.get("Content-Type")).step

@@ -20,10 +20,12 @@ orchestrator tell "never heard of" from "discovered long ago" from "evicted yest
 **Tenants.** The orchestrator acts for one tenant (:func:`acting_tenant`: ``PLEXRL_TENANT``,
 default ``default``). The default tenant's orchestrator works exactly as above. A tenant's
 credentials reach only its own subjects (``plexrl.runs.<tenant>.*``...) and none of the KV
-buckets, so a tenant's orchestrator follows ``plexrl.runs.<tenant>.>`` only, submits on
-``plexrl.runs.<tenant>.submit``, and learns what step 1 reads from the record through the
-registry's list service (``plexrl.registry.<tenant>.list``, :func:`registry_row`) and from the
-lifecycle events it follows. A lifecycle event whose ``tenant`` is not the one its subject names
+buckets, so a tenant's orchestrator follows ``plexrl.runs.<tenant>.>`` only (with accounts: in
+the view its own account keeps), submits on ``plexrl.runs.<tenant>.submit`` (with accounts the
+registry answers the submit itself, and a refusal comes back as the publish's error), and learns
+what step 1 reads from the record through the registry's list service
+(``plexrl.registry.<tenant>.list``, :func:`registry_row`) and from the lifecycle events it
+follows. A lifecycle event whose ``tenant`` is not the one its subject names
 is ignored (the broker vouches for the subject, not for the body).
 
 An *incarnation* is one life of a run id: it starts with the first RunDiscovered after the run
@@ -44,6 +46,7 @@ from datetime import datetime
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import APIError
 
 from schemas import subjects as sj
 from schemas.codec import DecodeError, decode
@@ -168,7 +171,6 @@ class RunWatch:
             Lifecycle,
             self._on_event,
             decode_subjects=subjects,
-            tenant=self.tenant,
         )
 
     @property
@@ -338,11 +340,14 @@ async def admit(
     try:
         if status not in HOLDING_STATUSES:
             event = RunSubmitted(run_id=run_id, config=config.to_dict(), submitted_by=submitted_by)
-            await bus.publish(
-                sj.runs_subject("submit", tenant),
-                event,
-                msg_id=f"{run_id}/submit/{uuid.uuid4().hex}",
-            )
+            try:
+                await bus.publish(
+                    sj.runs_subject("submit", tenant),
+                    event,
+                    msg_id=f"{run_id}/submit/{uuid.uuid4().hex}",
+                )
+            except APIError as exc:  # with accounts the registry answers a tenant's submit
+                raise RunRejected(f"the registry refused {run_id}: {exc.description}") from None
             log.info("%s: submitted to the registry (config %s)", run_id, digest)
         next_report = time.monotonic() + report_every
         while not stop.is_set():

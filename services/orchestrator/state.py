@@ -17,11 +17,10 @@ So a restarted orchestrator takes the furthest of three independent witnesses:
 - the newest RolloutBatch on ``plexrl.rollouts.<run_id>`` (one ``get_last_msg``): step ``s``
   there means the next is ``s + 1``.
 
-A tenant's credentials read neither KV bucket nor a stream message by sequence: a tenant's
-orchestrator takes the trainer's progress from the registry's list service (which joins the
-table with ``plexrl-progress``) and the newest batch on ``plexrl.rollouts.<tenant>.<run_id>``
-from a consumer that delivers the last message of that subject
-(:func:`services.bus.last.last_message`).
+A tenant's orchestrator reads no KV bucket: it takes the trainer's progress from the registry's
+list service (which joins the table with ``plexrl-progress``). With accounts its account has no
+rollouts stream (its batches are stored in the services'), so that witness is missing there and
+the message ids make a republished step harmless.
 
 It never republishes a step the stream or the trainer already has, and never skips one, since
 each witness only ever records steps that were published. Should two witnesses disagree the
@@ -183,7 +182,7 @@ async def last_published_batch(
     """
     tenant = acting_tenant(tenant)
     subject = tenant_rollouts_subject(run_id, tenant)
-    stored = await last_message(bus, ROLLOUTS_STREAM, subject, tenant=tenant)
+    stored = await last_message(bus, ROLLOUTS_STREAM, subject)
     if stored is None:
         return None, None
     if since is not None and stored.time is not None and stored.time < since:

@@ -48,7 +48,6 @@ class PolicyVersions:
             tenant_weights_subject(run_id, self.tenant),
             WeightsReady,
             self._on_event,
-            tenant=self.tenant,
         )
 
     async def start(self) -> None:
