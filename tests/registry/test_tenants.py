@@ -162,9 +162,10 @@ async def test_a_run_id_of_another_tenant_is_refused_and_the_owner_keeps_it(
     await _submit(rbus, "team-b", "run_x", other)
     await _submit(rbus, "default", "run_x")
     [refusal] = await eventually(lambda: _refusals(rbus, "team-b"))
-    assert refusal.error == "run id run_x belongs to another tenant; choose another run id"
+    # the requester learns that the id is taken, never whose it is
+    assert refusal.error == "run id run_x is taken; choose another run id"
     [by_default] = await eventually(lambda: _refusals(rbus, "default"))
-    assert by_default.run_id == "run_x" and "another tenant" in by_default.error
+    assert by_default.run_id == "run_x" and "is taken" in by_default.error
     reports = await eventually(lambda: _n(error_reports(rbus), 2))
     assert all(isinstance(r, ServiceError) and r.run_id is None for r in reports)
     contexts = [r.context for r in reports if isinstance(r, ServiceError)]
