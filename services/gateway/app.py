@@ -2,9 +2,12 @@
 Tinker routes under ``/api/v1``, served by uvicorn inside the service's own event loop.
 
 The app shares the loop with the NATS connection, so a route awaits a bus request directly; no
-thread hop, no second loop. Request bodies are read here, once, with the size limit applied
-while the bytes arrive (a client that lies about ``Content-Length`` or streams a chunked body
-is cut off at ``max_body_bytes``), and decoded as JSON with a clear error when they are not.
+thread hop, no second loop. Every request but the health checks is authenticated first
+(:mod:`services.gateway.tenancy`): a route sees the gateway through a :class:`Scope`, the
+backend and futures of its request's tenant, and nothing of any other tenant's. Request bodies
+are read here, once, with the size limit applied while the bytes arrive (a client that lies
+about ``Content-Length`` or streams a chunked body is cut off at ``max_body_bytes``), and decoded
+as JSON with a clear error when they are not or nest deeper than ``MAX_JSON_DEPTH``.
 """
 
 from __future__ import annotations
@@ -14,38 +17,121 @@ import contextlib
 import json
 import logging
 import socket
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 from services.gateway.backend import Backend, GatewayError
-from services.gateway.futures import Futures
+from services.gateway.futures import Futures, Outcome
 from services.gateway.observe import observe
 from services.gateway.settings import GatewaySettings
+from services.gateway.tenancy import Tenancy
 from services.gateway.text import TextCodec
 
 log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
 
+MAX_JSON_DEPTH = 64
+"""how deeply a request body's JSON may nest (every body the APIs define nests a few levels)"""
+
+OPEN_PATHS = frozenset({"/healthz", "/api/v1/healthz"})
+"""what answers without an API key"""
+
+UNCOUNTED_PATHS = frozenset({"/api/v1/retrieve_future", "/api/v1/session_heartbeat"})
+"""requests that wait on work already counted (a future) or do none"""
+
 
 class Gateway:
-    """What every route needs: the backend (bus), the settings and the tokenizer."""
+    """What every route needs: who acts (tenancy), the settings, the tokenizer, the futures."""
 
-    def __init__(self, backend: Backend, settings: GatewaySettings, codec: TextCodec) -> None:
-        self.backend = backend
+    def __init__(self, tenancy: Tenancy, settings: GatewaySettings, codec: TextCodec) -> None:
+        self.tenancy = tenancy
         self.settings = settings
         self.codec = codec
-        self.futures = Futures(settings.future_ttl_s)
+        self.futures = Futures(settings.future_ttl_s, tenancy)
 
 
-def gateway_of(request: Request) -> Gateway:
+@dataclass(frozen=True)
+class TenantFutures:
+    """The futures of one tenant (:class:`~services.gateway.futures.Futures`)."""
+
+    futures: Futures
+    tenant: str
+
+    def start(
+        self, key: str, work: Callable[[], Awaitable[Outcome]], order: str | None = None
+    ) -> str:
+        return self.futures.start(self.tenant, key, work, order)
+
+    async def wait(self, future_id: str, timeout: float) -> Outcome | None:
+        return await self.futures.wait(self.tenant, future_id, timeout)
+
+
+@dataclass(frozen=True)
+class Scope:
+    """The gateway as one request sees it: its tenant's backend and futures."""
+
+    gateway: Gateway
+    tenant: str
+    backend: Backend
+
+    @property
+    def settings(self) -> GatewaySettings:
+        return self.gateway.settings
+
+    @property
+    def codec(self) -> TextCodec:
+        return self.gateway.codec
+
+    @property
+    def futures(self) -> TenantFutures:
+        return TenantFutures(self.gateway.futures, self.tenant)
+
+
+def gateway_of(request: Request) -> Scope:
+    """The gateway as this request's tenant sees it (set by :func:`authenticate`)."""
+    scope: Scope = request.state.scope
+    return scope
+
+
+def error_response(request: Request, exc: GatewayError) -> JSONResponse:
+    """``exc`` in the error shape of the API the request was for."""
+    from services.gateway.openai_api import openai_error
+    from services.gateway.tinker_api import tinker_error
+
+    if request.url.path.startswith("/api/"):
+        return tinker_error(exc.status, exc.message)
+    return openai_error(exc.status, exc.message, exc.code)
+
+
+async def authenticate(
+    request: Request, call_next: Callable[[Request], Awaitable[Response]]
+) -> Response:
+    """The HTTP middleware that finds the request's tenant (401 without a valid key), counts
+    it against the key's limit (429 past it) and gives the routes its :class:`Scope`."""
+    if request.url.path in OPEN_PATHS:
+        return await call_next(request)
     gateway: Gateway = request.app.state.gateway
-    return gateway
+    counted = request.url.path not in UNCOUNTED_PATHS
+    try:
+        tenant = gateway.tenancy.tenant_of(dict(request.headers))
+        backend = await gateway.tenancy.backend(tenant)
+        if counted:
+            gateway.tenancy.begin(tenant)
+    except GatewayError as exc:
+        return error_response(request, exc)
+    request.state.scope = Scope(gateway, tenant, backend)
+    try:
+        return await call_next(request)
+    finally:
+        if counted:
+            gateway.tenancy.end(tenant)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -74,9 +160,38 @@ async def read_json(request: Request) -> dict[str, Any]:
         raise GatewayError(
             400, f"the request body is not valid JSON: {exc}", "invalid_json"
         ) from exc
+    except RecursionError:  # nested past the parser's own limit
+        raise GatewayError(
+            400,
+            f"the request body's JSON nests deeper than {MAX_JSON_DEPTH} levels",
+            "invalid_json",
+        ) from None
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise GatewayError(
+            400,
+            f"the request body's JSON nests deeper than {MAX_JSON_DEPTH} levels",
+            "invalid_json",
+        )
     if not isinstance(value, dict):
         raise GatewayError(400, "the request body must be a JSON object", "invalid_json")
     return value
+
+
+def json_depth(value: Any) -> int:
+    """How deeply ``value`` nests (a scalar: 0), found without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if depth <= MAX_JSON_DEPTH:
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def parse_body(model: type[M], body: dict[str, Any]) -> M:
@@ -99,16 +214,15 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     app = FastAPI(title="plexrl gateway", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gateway
-    app.middleware("http")(observe)
+    app.middleware("http")(authenticate)
+    app.middleware("http")(observe)  # added last: the outermost, so a refused request is seen
     app.include_router(openai_router)
     app.include_router(tinker_router)
     app.include_router(training_router)
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
-        if request.url.path.startswith("/api/"):
-            return tinker_error(exc.status, exc.message)
-        return openai_error(exc.status, exc.message, exc.code)
+        return error_response(request, exc)
 
     @app.exception_handler(404)
     async def _not_found(request: Request, exc: Exception) -> JSONResponse:

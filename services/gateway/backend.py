@@ -2,8 +2,9 @@
 
 Every HTTP route reaches plexrl through one :class:`Backend`, which holds nothing a restart
 would lose: runs live in the registry, adapters and optimizers in the trainer, loaded weights in
-inference. It acts for one tenant (``PLEXRL_TENANT``) and uses that tenant's subjects only, so
-the broker's permissions bound what an HTTP client can reach.
+inference. It acts for one tenant and uses that tenant's subjects only, on a connection with that
+tenant's credentials (:mod:`services.gateway.tenancy`), so the broker bounds what an HTTP client
+can reach. Each request's work is bounded (prompts, completions, tokens) before it is sent.
 
 Failures come back as :class:`GatewayError`, which carries the HTTP status and a message that
 says what was wrong; each API renders it in its own error shape.
@@ -23,6 +24,7 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import APIError
 
 from schemas.codec import DecodeError, decode
 from schemas.config import ConfigError, orch_config_from_dict
@@ -101,10 +103,14 @@ def new_request_id(prefix: str) -> str:
 class Backend:
     """The bus operations behind every route (see the module docstring)."""
 
-    def __init__(self, bus: Bus, settings: GatewaySettings, tenant: str) -> None:
+    def __init__(
+        self, bus: Bus, settings: GatewaySettings, tenant: str, base_run_id: str | None = None
+    ) -> None:
         self.bus = bus
         self.settings = settings
         self.tenant = tenant
+        self.base_run_id = base_run_id or settings.base_run_id
+        """the never-trained run of this tenant that serves the base model"""
         self._base_ready = False
         self._base_lock = asyncio.Lock()
 
@@ -149,7 +155,14 @@ class Backend:
         try:
             event = RunSubmitted(run_id=run_id, config=config, submitted_by=by)
             subject = runs_subject("submit", self.tenant)
-            await self.bus.publish(subject, event, msg_id=f"{run_id}/submit/{uuid.uuid4().hex}")
+            try:
+                await self.bus.publish(
+                    subject, event, msg_id=f"{run_id}/submit/{uuid.uuid4().hex}", full_wait=0
+                )
+            except APIError as exc:  # with accounts the registry answers a tenant's submit
+                raise GatewayError(
+                    400, f"the registry refused {run_id}: {exc.description}", "refused"
+                ) from None
             return await self.wait_active(run_id, refused, config_digest(config))
         finally:
             await sub.unsubscribe()
@@ -196,7 +209,7 @@ class Backend:
         async with self._base_lock:
             if self._base_ready:
                 return
-            run_id = self.settings.base_run_id
+            run_id = self.base_run_id
             row = await self.run(run_id)
             if row is None or row.status != "active":
                 await self.submit(run_id, base_run_config(), "gateway")
@@ -209,9 +222,9 @@ class Backend:
         the base model's name (or the base run's id) the base model."""
         if not model:
             raise GatewayError(400, "`model` is required: a run id, run_id@version or the base")
-        if model == self.settings.base_name() or model == self.settings.base_run_id:
+        if model == self.settings.base_name() or model == self.base_run_id:
             await self.ensure_base()
-            return ModelRef(self.settings.base_run_id, 0, is_base=True)
+            return ModelRef(self.base_run_id, 0, is_base=True)
         run_id, _, version_text = model.partition("@")
         if not RUN_ID.match(run_id):
             raise GatewayError(
@@ -233,13 +246,8 @@ class Backend:
         if row is None or row.status != "active":
             status = "does not exist" if row is None else f"is {row.status}"
             raise GatewayError(404, f"model {run_id!r} {status}", "model_not_found")
-        if row.tenant != self.tenant:
-            raise GatewayError(
-                404,
-                f"model {run_id!r} belongs to tenant {row.tenant!r}; this gateway serves the "
-                f"runs of tenant {self.tenant!r}",
-                "model_not_found",
-            )
+        if row.tenant != self.tenant:  # a default-tenant gateway sees every run: serve its own
+            raise GatewayError(404, f"model {run_id!r} does not exist", "model_not_found")
         if version > 0:
             published = await self.published_version(run_id)
             if version > published:
@@ -272,7 +280,10 @@ class Backend:
         top_p: float,
         seed: int | None = None,
     ) -> GenerateResponse:
-        """Completions from inference, retried while the condition is transient."""
+        """Completions from inference, retried while the condition is transient. A request of
+        more prompts than ``max_prompts`` or more than ``max_request_tokens`` tokens to
+        generate (prompts x n x max_tokens) is a 400 naming the limit."""
+        self.check_work(len(prompts), n, max_tokens)
         timeout = self.settings.request_timeout_s
         request = GenerateRequest(
             request_id=new_request_id("gw"),
@@ -307,6 +318,23 @@ class Backend:
             if time.monotonic() + RETRY_PAUSE_S >= deadline:
                 raise GatewayError(503, reason, "unavailable")
             await asyncio.sleep(RETRY_PAUSE_S)
+
+    def check_work(self, num_prompts: int, n: int, max_tokens: int) -> None:
+        settings = self.settings
+        if num_prompts > settings.max_prompts:
+            raise GatewayError(
+                400,
+                f"{num_prompts} prompts in one request: this gateway takes at most "
+                f"{settings.max_prompts} (max_prompts)",
+            )
+        work = num_prompts * n * max_tokens
+        if work > settings.max_request_tokens:
+            raise GatewayError(
+                400,
+                f"prompts x n x max_tokens = {num_prompts} x {n} x {max_tokens} = {work} tokens "
+                f"to generate, over this gateway's limit of {settings.max_request_tokens} per "
+                "request (max_request_tokens): split it or ask for fewer",
+            )
 
     # --- training commands --------------------------------------------------------------------
 

@@ -5,7 +5,8 @@ that order of precedence (see :mod:`services.gateway.settings`). ``SIGTERM`` / `
 it: requests under way finish, then the connection to NATS is drained.
 
 Exit status: 0 after a clean stop, 1 when NATS cannot be reached, 2 for unusable settings
-(a model directory without a tokenizer, a port already taken).
+(a model directory without a tokenizer, a port already taken, no tenants file on an address
+beyond loopback).
 """
 
 from __future__ import annotations
@@ -50,12 +51,12 @@ def run(args: argparse.Namespace) -> int:
             "the default one)",
         )
     from services.gateway.app import CannotListen
-    from services.gateway.service import serve
+    from services.gateway.service import KeylessRemote, serve
 
     return run_service(
         "gateway",
         lambda bus, stop: serve(settings, bus, stop),
         nats_url=url,
         service=settings.service,
-        errors={CannotListen: 2},
+        errors={CannotListen: 2, KeylessRemote: 2},
     )

@@ -1,12 +1,15 @@
 """Tinker's futures: a request is answered at once with a request id, its work runs on, and the
 client fetches the outcome with ``retrieve_future``.
 
-A future's id is derived from what the client sent (the model and the request's ``seq_id``), so
-a client that resends a request after a lost answer gets the same future, and the training
-command it carries keeps the same ``request_id``: the trainer applies it once. Work of one model
-runs in the order its requests arrived (the SDK sends a model's requests one at a time, in
-``seq_id`` order), work of different models at the same time, which is what lets the trainer
-put several runs' ``forward_backward`` calls into shared micro-batches.
+A future belongs to the tenant whose key started it and is found by that tenant alone. Its id is
+random (``<kind>-`` and 144 random bits), so nobody can guess another caller's; a request is
+known by a key derived from what the client sent (the model and the request's ``seq_id``), so a
+client that resends a request after a lost answer gets the same future, and the training command
+it carries keeps the same ``request_id``: the trainer applies it once. Work of one model runs in
+the order its requests arrived (the SDK sends a model's requests one at a time, in ``seq_id``
+order), work of different models at the same time, which is what lets the trainer put several
+runs' ``forward_backward`` calls into shared micro-batches. Each running future counts against
+its tenant's ``max_concurrent_per_key``.
 
 Futures live in this process only, for ``ttl_s`` after they finish; a restarted gateway knows
 none of the old ones (the client resends, see above).
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -41,39 +45,68 @@ class Outcome:
 @dataclass
 class _Entry:
     task: asyncio.Task[Outcome]
+    owner: str
+    key: str
     finished_at: float | None = None
     waiters: int = field(default=0)
+
+
+class Counter:
+    """What a running future counts against: its owner's requests under way."""
+
+    def begin(self, owner: str) -> None:
+        """Count one more for ``owner``; raise (a GatewayError) when it may have no more."""
+
+    def end(self, owner: str) -> None:
+        """One fewer for ``owner``."""
 
 
 class Futures:
     """The futures of this gateway (see the module docstring)."""
 
-    def __init__(self, ttl_s: float) -> None:
+    def __init__(self, ttl_s: float, counter: Counter | None = None) -> None:
         self.ttl_s = ttl_s
+        self.counter = counter or Counter()
         self._entries: dict[str, _Entry] = {}
-        self._tails: dict[str, asyncio.Task[Outcome]] = {}
+        self._ids: dict[tuple[str, str], str] = {}
+        self._tails: dict[tuple[str, str], asyncio.Task[Outcome]] = {}
 
     def start(
-        self, request_id: str, work: Callable[[], Awaitable[Outcome]], order: str | None = None
+        self,
+        owner: str,
+        key: str,
+        work: Callable[[], Awaitable[Outcome]],
+        order: str | None = None,
     ) -> str:
-        """Run ``work`` as future ``request_id`` (once: a known id is left as it is), after the
-        earlier work of the same ``order`` key."""
+        """Run ``work`` as the future of ``owner``'s request ``key``, after the earlier work of
+        the same ``order`` key of the same owner; its id. A key already known is not run again:
+        its future's id is returned."""
         self._expire()
-        if request_id in self._entries:
-            return request_id
-        before = self._tails.get(order) if order else None
-        task = asyncio.create_task(self._run(before, work), name=f"future {request_id}")
-        entry = _Entry(task)
-        self._entries[request_id] = entry
-        task.add_done_callback(lambda _: setattr(entry, "finished_at", time.monotonic()))
-        if order:
-            self._tails[order] = task
-            task.add_done_callback(lambda t: self._forget_tail(order, t))
-        return request_id
+        known = self._ids.get((owner, key))
+        if known is not None:
+            return known
+        self.counter.begin(owner)
+        future_id = f"{key.partition(':')[0] or 'future'}-{secrets.token_urlsafe(18)}"
+        tail = (owner, order) if order else None
+        before = self._tails.get(tail) if tail else None
+        task = asyncio.create_task(self._run(before, work), name=f"future {future_id}")
+        entry = _Entry(task, owner, key)
+        self._entries[future_id] = entry
+        self._ids[(owner, key)] = future_id
 
-    def _forget_tail(self, order: str, task: asyncio.Task[Outcome]) -> None:
-        if self._tails.get(order) is task:
-            del self._tails[order]
+        def done(_: asyncio.Task[Outcome]) -> None:
+            entry.finished_at = time.monotonic()
+            self.counter.end(owner)
+
+        task.add_done_callback(done)
+        if tail:
+            self._tails[tail] = task
+            task.add_done_callback(lambda t: self._forget_tail(tail, t))
+        return future_id
+
+    def _forget_tail(self, tail: tuple[str, str], task: asyncio.Task[Outcome]) -> None:
+        if self._tails.get(tail) is task:
+            del self._tails[tail]
 
     @staticmethod
     async def _run(
@@ -90,13 +123,17 @@ class Futures:
             log.exception("gateway: a future's work failed")
             return Outcome(error=f"{type(exc).__name__}: {exc}", category="server")
 
-    def known(self, request_id: str) -> bool:
-        return request_id in self._entries
+    def known(self, owner: str, future_id: str) -> bool:
+        entry = self._entries.get(future_id)
+        return entry is not None and entry.owner == owner
 
-    async def wait(self, request_id: str, timeout: float) -> Outcome | None:
-        """The outcome of ``request_id`` once it is done, or None if it is still running after
-        ``timeout`` seconds. ``KeyError`` for an id this gateway does not know."""
-        entry = self._entries[request_id]
+    async def wait(self, owner: str, future_id: str, timeout: float) -> Outcome | None:
+        """The outcome of ``owner``'s future ``future_id`` once it is done, or None if it is
+        still running after ``timeout`` seconds. ``KeyError`` for an id this gateway does not
+        know for ``owner`` (another owner's future is as unknown as one never made)."""
+        entry = self._entries.get(future_id)
+        if entry is None or entry.owner != owner:
+            raise KeyError(future_id)
         if not entry.task.done():
             await asyncio.wait({entry.task}, timeout=timeout)
         return entry.task.result() if entry.task.done() else None
@@ -109,7 +146,8 @@ class Futures:
             if e.finished_at is not None and now - e.finished_at > self.ttl_s
         ]
         for rid in old:
-            del self._entries[rid]
+            entry = self._entries.pop(rid)
+            self._ids.pop((entry.owner, entry.key), None)
 
     async def close(self) -> None:
         """Cancel the work still running (at shutdown)."""

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from schemas.events import Completion
-from services.gateway.app import Gateway, gateway_of, parse_body, read_json
+from services.gateway.app import Scope, gateway_of, parse_body, read_json
 from services.gateway.backend import GatewayError, ModelRef
 from services.gateway.observe import note_run
 from services.gateway.text import TextCodec
@@ -33,6 +33,8 @@ router = APIRouter(prefix="/v1")
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
+    429: "rate_limit_exceeded",
     404: "invalid_request_error",
     413: "invalid_request_error",
 }
@@ -90,7 +92,7 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
 
 
-def _limits(gateway: Gateway, max_tokens: int | None, n: int) -> int:
+def _limits(gateway: Scope, max_tokens: int | None, n: int) -> int:
     settings = gateway.settings
     tokens = 16 if max_tokens is None else max_tokens
     if tokens > settings.max_tokens:
@@ -184,7 +186,7 @@ def _completion_logprobs(codec: TextCodec, ids: list[int], logprobs: list[float]
 @router.get("/models")
 async def list_models(request: Request) -> dict[str, Any]:
     gateway = gateway_of(request)
-    base = gateway.settings.base_run_id
+    base = gateway.backend.base_run_id
     models = [
         {"id": gateway.settings.base_name(), "object": "model", "created": 0, "owned_by": "plexrl"}
     ]

@@ -1,8 +1,12 @@
 """The gateway's settings: one pydantic model, loaded like every service's.
 
 Precedence, lowest first: defaults, ``--config FILE`` (TOML), ``PLEXRL_<FIELD>`` environment
-variables (``PLEXRL_MODEL``, ``PLEXRL_PORT``...), then command-line flags. The tenant the
-gateway acts for is the process setting ``PLEXRL_TENANT``.
+variables (``PLEXRL_MODEL``, ``PLEXRL_PORT``...), then command-line flags.
+
+With ``tenants_file`` every request must carry a tenant's API key and acts for that tenant alone
+(:mod:`services.gateway.tenancy`); without one the gateway serves the tenant of its own
+credentials (``PLEXRL_TENANT``, the default tenant) with no key, and only on a loopback address
+unless ``allow_no_keys`` says otherwise.
 """
 
 from __future__ import annotations
@@ -45,6 +49,33 @@ class GatewaySettings(BaseModel):
     )
     max_samples: int = Field(
         64, ge=1, le=1024, description="largest number of completions per prompt (n)"
+    )
+    max_prompts: int = Field(
+        64, ge=1, le=4096, description="largest number of prompts in one request"
+    )
+    max_request_tokens: int = Field(
+        262_144,
+        ge=1,
+        le=1 << 30,
+        description="largest generation one request may ask for: prompts x n x max_tokens",
+    )
+    max_concurrent_per_key: int = Field(
+        64,
+        ge=1,
+        le=100_000,
+        description="requests and Tinker futures one API key may have under way at once; more "
+        "are answered 429",
+    )
+    tenants_file: Path | None = Field(
+        None,
+        description="the tenants file (plexrl tenants add writes it): with it every request "
+        "needs a tenant's API key, and the gateway reaches NATS as that tenant with the seed "
+        "file beside it (DIR/<tenant>.nk)",
+    )
+    allow_no_keys: bool = Field(
+        False,
+        description="without a tenants file, serve on a non-loopback address too (anyone who "
+        "reaches the port then acts as this gateway's tenant)",
     )
     request_timeout_s: float = Field(
         120.0, gt=0, le=3600, description="how long inference or the trainer may take to answer"

@@ -30,7 +30,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from services.gateway import wire
-from services.gateway.app import Gateway, gateway_of, parse_body, read_json
+from services.gateway.app import Scope, gateway_of, parse_body, read_json
 from services.gateway.backend import GatewayError, ModelRef
 from services.gateway.futures import Outcome
 from services.gateway.observe import note_run
@@ -67,7 +67,7 @@ def sampler_id(ref: ModelRef) -> str:
     return f"{SAMPLER_PREFIX}{what}:{uuid.uuid4().hex[:12]}"
 
 
-async def sampler_ref(gateway: Gateway, session_id: str) -> ModelRef:
+async def sampler_ref(gateway: Scope, session_id: str) -> ModelRef:
     """What a sampling session samples, read from its id."""
     name = session_id.removeprefix(SAMPLER_PREFIX).partition(":")[0]
     if not session_id.startswith(SAMPLER_PREFIX) or not name:
@@ -78,7 +78,7 @@ async def sampler_ref(gateway: Gateway, session_id: str) -> ModelRef:
 
 
 async def model_path_ref(
-    gateway: Gateway, model_path: str | None, base_model: str | None
+    gateway: Scope, model_path: str | None, base_model: str | None
 ) -> ModelRef:
     if model_path:
         match = _SAMPLER_PATH.match(model_path)
@@ -92,7 +92,7 @@ async def model_path_ref(
     return await gateway.backend.resolve(check_base(gateway, base_model))
 
 
-def check_base(gateway: Gateway, base_model: str | None) -> str:
+def check_base(gateway: Scope, base_model: str | None) -> str:
     served = gateway.settings.base_name()
     if base_model not in (served, str(gateway.settings.model)):
         raise GatewayError(
@@ -178,7 +178,7 @@ def _prompt_tokens(body: SampleBody) -> list[int]:
     return tokens
 
 
-def _stopped(ids: list[int], stops: list[Any], gateway: Gateway) -> int:
+def _stopped(ids: list[int], stops: list[Any], gateway: Scope) -> int:
     """How many tokens to keep: through the first stop token, or through the token that
     completes a stop string; ``len(ids)`` when none occurs."""
     stop_ids = {s for s in stops if isinstance(s, int)}
@@ -194,7 +194,7 @@ def _stopped(ids: list[int], stops: list[Any], gateway: Gateway) -> int:
 
 
 async def _sample(
-    gateway: Gateway, ref: ModelRef, body: SampleBody, n: int, max_tokens: int
+    gateway: Scope, ref: ModelRef, body: SampleBody, n: int, max_tokens: int
 ) -> Outcome:
     """The samples of an ``asample`` request whose ``n`` and ``max_tokens`` were checked."""
     params = body.sampling_params
@@ -229,7 +229,7 @@ async def _sample(
     return Outcome(proto=wire.encode_sample_response(sequences))
 
 
-def _sample_limits(gateway: Gateway, body: SampleBody) -> tuple[int, int]:
+def _sample_limits(gateway: Scope, body: SampleBody) -> tuple[int, int]:
     """The number of samples and the token budget of a sample request, checked."""
     n, max_tokens = body.num_samples, body.sampling_params.max_tokens or gateway.settings.max_tokens
     if not 1 <= n <= gateway.settings.max_samples or max_tokens > gateway.settings.max_tokens:
@@ -255,10 +255,12 @@ async def asample(request: Request) -> dict[str, Any]:
         ref = await model_path_ref(gateway, body.model_path, body.base_model)
         request_id = f"sample:{uuid.uuid4().hex}"
     note_run(request, ref.run_id)
-    gateway.futures.start(request_id, lambda: _sample(gateway, ref, body, n, max_tokens))
+    future_id = gateway.futures.start(
+        request_id, lambda: _sample(gateway, ref, body, n, max_tokens)
+    )
     return {
-        "request_id": request_id,
-        "sample_sequence_ids": [f"{request_id}/{i}" for i in range(n)],
+        "request_id": future_id,
+        "sample_sequence_ids": [f"{future_id}/{i}" for i in range(n)],
     }
 
 

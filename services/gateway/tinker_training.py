@@ -140,8 +140,8 @@ async def create_model(request: Request) -> dict[str, Any]:
         return Outcome(body={"model_id": run_id, "type": "create_model"})
 
     # A resent request is the same future; the same model id with another config is another.
-    request_id = f"create_model:{run_id}:{digest.removeprefix('sha256:')[:16]}"
-    gateway.futures.start(request_id, work, order=run_id)
+    key = f"create_model:{run_id}:{digest.removeprefix('sha256:')[:16]}"
+    request_id = gateway.futures.start(key, work, order=run_id)
     return {"request_id": request_id, "model_id": run_id}
 
 
@@ -217,8 +217,8 @@ async def forward_backward(request: Request) -> dict[str, Any]:
         return Outcome(proto=wire.encode_forward_backward_output(result.loss_fn_outputs, metrics))
 
     request_id = _future_id(kind, model_id, req.seq_id or None)
-    gateway.futures.start(request_id, work, order=model_id)
-    return {"request_id": request_id, "model_id": model_id}
+    future_id = gateway.futures.start(request_id, work, order=model_id)
+    return {"request_id": future_id, "model_id": model_id}
 
 
 @router.post("/optim_step")
@@ -244,8 +244,8 @@ async def optim_step(request: Request) -> dict[str, Any]:
         return Outcome(body={"metrics": result.metrics, "type": "optim_step"})
 
     rid = _future_id("optim_step", model_id, body.seq_id)
-    gateway.futures.start(rid, work, order=model_id)
-    return {"request_id": rid, "model_id": model_id}
+    future_id = gateway.futures.start(rid, work, order=model_id)
+    return {"request_id": future_id, "model_id": model_id}
 
 
 def _name(path: str | None, default: str) -> str:
@@ -274,8 +274,8 @@ async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
         return Outcome(body=out)
 
     rid = _future_id("save_weights_for_sampler", model_id, body.seq_id)
-    gateway.futures.start(rid, work, order=model_id)
-    return {"request_id": rid, "model_id": model_id}
+    future_id = gateway.futures.start(rid, work, order=model_id)
+    return {"request_id": future_id, "model_id": model_id}
 
 
 @router.post("/save_weights")
@@ -295,8 +295,8 @@ async def save_weights(request: Request) -> dict[str, Any]:
         )
 
     rid = _future_id("save_weights", model_id, body.seq_id)
-    gateway.futures.start(rid, work, order=model_id)
-    return {"request_id": rid, "model_id": model_id}
+    future_id = gateway.futures.start(rid, work, order=model_id)
+    return {"request_id": future_id, "model_id": model_id}
 
 
 @router.post("/load_weights")
@@ -333,5 +333,5 @@ async def load_weights(request: Request) -> dict[str, Any]:
         return Outcome(body={"path": path, "model_id": model_id, "type": "load_weights"})
 
     rid = _future_id("load_weights", model_id, body.seq_id)
-    gateway.futures.start(rid, work, order=model_id)
-    return {"request_id": rid, "model_id": model_id}
+    future_id = gateway.futures.start(rid, work, order=model_id)
+    return {"request_id": future_id, "model_id": model_id}

@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
             output_dir=settings.output_dir,
             weight_load_attempts=settings.weight_load_attempts,
             weight_transport=settings.weight_transport,
+            max_request_tokens=settings.max_request_tokens,
         )
         await service.run(stop)
 

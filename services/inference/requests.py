@@ -2,7 +2,9 @@
 
 Decoding already enforces the schema (types, bounds, the run-id pattern). What only this
 replica can judge is checked here: token ids inside the model's vocabulary, prompts that are
-not empty, prompt plus completion within the model's context, and a ``progress_subject`` that is
+not empty, prompt plus completion within the model's context, a bounded amount of work
+(``max_request_tokens``: one tenant's request cannot hold a replica for hours), and a
+``progress_subject`` that is
 an inbox of the requester's tenant (a replica publishes nowhere else). A request that fails is
 malformed: it gets an error reply and an InvalidMessage report.
 
@@ -30,8 +32,18 @@ class RequestFailed(Exception):
     """A request that cannot be served; the message is the error the reply carries."""
 
 
-def check_request(req: GenerateRequest, vocab_size: int, max_model_len: int) -> None:
-    """Raise :class:`RequestFailed` saying what is wrong with ``req`` for this model."""
+def check_request(
+    req: GenerateRequest, vocab_size: int, max_model_len: int, max_request_tokens: int = 1 << 62
+) -> None:
+    """Raise :class:`RequestFailed` saying what is wrong with ``req`` for this model, or when
+    it asks for more than ``max_request_tokens`` tokens (prompts x n x max_tokens)."""
+    work = len(req.prompts) * req.n * req.max_tokens
+    if work > max_request_tokens:
+        raise RequestFailed(
+            f"prompts x n x max_tokens = {len(req.prompts)} x {req.n} x {req.max_tokens} = "
+            f"{work} tokens, over this replica's limit of {max_request_tokens} per request "
+            "(max_request_tokens): split it into several requests"
+        )
     for i, prompt in enumerate(req.prompts):
         if not prompt:
             raise RequestFailed(

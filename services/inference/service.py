@@ -87,10 +87,12 @@ class InferenceService:
         weight_load_attempts: int = 2,
         shutdown_grace: float = 30.0,
         weight_transport: str = "object_store",
+        max_request_tokens: int = 1 << 22,
     ) -> None:
         self.bus = bus
         self.engine = engine
         self.replica_name = replica_name
+        self.max_request_tokens = max_request_tokens
         self.shutdown_grace = shutdown_grace
         self.mirror = RunMirror(bus, max_runs, service=bus.service)
         self.receiver: CollectiveReceiver | None = None
@@ -338,7 +340,9 @@ class InferenceService:
         tenant = sj.tenant_of_subject(subject)  # _on_request answered the illegal ones
         try:
             req: GenerateRequest = decode(data, GenerateRequest, headers.get("Content-Type"))
-            check_request(req, self.engine.vocab_size, self.engine.max_model_len)
+            check_request(
+                req, self.engine.vocab_size, self.engine.max_model_len, self.max_request_tokens
+            )
             check_progress(req, tenant)
         except (DecodeError, RequestFailed) as exc:
             await self.bus.report_invalid(subject, str(exc), data)

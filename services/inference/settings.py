@@ -62,6 +62,13 @@ class InferenceSettings(BaseModel):
         le=10_000_000,
         description="prompt plus completion tokens of one batch (its KV cache), at most",
     )
+    max_request_tokens: int = Field(
+        1 << 22,
+        ge=1,
+        le=1 << 40,
+        description="largest generation one request may ask for: prompts x n x max_tokens; a "
+        "bigger request is refused with an error saying so",
+    )
     threads: int = Field(0, ge=0, le=1024, description="torch CPU threads; 0 keeps torch's default")
     device: str = Field("auto", description="'auto' (cuda when available), 'cpu', 'cuda', 'cuda:1'")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(

@@ -40,6 +40,10 @@ from schemas.training import TRAIN_FAMILY
 SERVICES_ACCOUNT = "PLEXRL"
 """The services' account; it holds every stream, KV bucket and object store of DESIGN.md."""
 
+GATEWAY_ACCOUNT = "GATEWAY"
+"""The gateway's own account: no imports, no JetStream. The gateway's connection there only
+answers its health checks; it reaches each tenant's runs as that tenant."""
+
 SERVICES_JS_PREFIX = "$JS.plexrl.API"
 """Where a tenant's account sees the part of the services' JetStream API it may use (direct
 get on its weights store): ``nc.jetstream(prefix=SERVICES_JS_PREFIX)``."""

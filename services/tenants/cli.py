@@ -23,6 +23,7 @@ from schemas.config import format_validation_error
 from services.config.tenants import TenantQuota, TenantsFile, load_tenants, save_tenants
 from services.tenants.credentials import (
     DEFAULT_DIR,
+    GATEWAY,
     SERVICES,
     TENANTS_FILE,
     CredentialsError,
@@ -275,7 +276,7 @@ def _nats_config(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         return 0
     write_atomically(out, text)
-    tenants = [u.name for u in users if u.name != SERVICES]
+    tenants = [u.name for u in users if u.name not in (SERVICES, GATEWAY)]
     print(
         f"wrote {out}: the services' account and {len(tenants)} tenant account(s) "
         f"{', '.join(tenants)}; reload the server twice (nats-server --signal reload) or restart it"

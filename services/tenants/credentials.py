@@ -10,6 +10,7 @@ The directory (``./plexrl-auth`` by default) holds::
 
     tenants.toml     quotas per tenant (services.config.tenants) and key digests, no secrets
     services.nk      the services' seed
+    gateway.nk       the gateway's own seed (its health checks; it acts with the tenants' seeds)
     <tenant>.nk      each tenant's seed
     <tenant>.key     each tenant's gateway API key (``tml-...``, mode 0600); the gateway holds
                      only its SHA-256, from tenants.toml
@@ -33,6 +34,9 @@ DEFAULT_DIR = Path("plexrl-auth")
 TENANTS_FILE = "tenants.toml"
 SERVICES = "services"
 """The name of the services' credential; no tenant may take it."""
+GATEWAY = "gateway"
+"""The name of the gateway's own credential (an account that reaches nothing: the gateway acts
+for each tenant with that tenant's seed); no tenant may take it."""
 SEED_SUFFIX = ".nk"
 KEY_SUFFIX = ".key"
 API_KEY_PREFIX = "tml-plexrl-"
@@ -45,7 +49,7 @@ class CredentialsError(ValueError):
 
 def seed_path(directory: Path, name: str) -> Path:
     """``directory/<name>.nk`` for a tenant, or for :data:`SERVICES`."""
-    if name != SERVICES:
+    if name not in (SERVICES, GATEWAY):
         validate_tenant(name)
     return Path(directory) / f"{name}{SEED_SUFFIX}"
 
@@ -54,7 +58,7 @@ def check_tenant_name(name: str) -> str:
     """A name ``plexrl tenants add`` accepts: a legal tenant, neither the default tenant (the
     services act for it) nor the services' credential name."""
     validate_tenant(name)
-    if name in (DEFAULT_TENANT, SERVICES):
+    if name in (DEFAULT_TENANT, SERVICES, GATEWAY):
         raise CredentialsError(
             f"'{name}' is reserved: the services use it; choose another tenant name"
         )

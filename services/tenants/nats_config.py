@@ -21,6 +21,7 @@ from pathlib import Path
 from services.bus.server import MAX_PAYLOAD
 from services.config.tenants import TenantQuota, load_tenants
 from services.tenants.accounts import (
+    GATEWAY_ACCOUNT,
     JS_API,
     SERVICES_ACCOUNT,
     tenant_account,
@@ -28,6 +29,7 @@ from services.tenants.accounts import (
     tenant_shares,
 )
 from services.tenants.credentials import (
+    GATEWAY,
     SERVICES,
     TENANTS_FILE,
     ensure_seed,
@@ -61,7 +63,8 @@ def users_of(directory: Path) -> list[User]:
     ``directory/tenants.toml``, whose seed files must exist."""
     directory = Path(directory)
     services_key, _ = ensure_seed(seed_path(directory, SERVICES))
-    users = [User(SERVICES, services_key)]
+    gateway_key, _ = ensure_seed(seed_path(directory, GATEWAY))
+    users = [User(SERVICES, services_key), User(GATEWAY, gateway_key)]
     tenants = load_tenants(directory / TENANTS_FILE).tenants
     for name in sorted(tenants):
         users.append(User(name, public_key(seed_path(directory, name)), tenants[name]))
@@ -148,10 +151,19 @@ def _tenant_account(user: User) -> list[str]:
 
 
 def render_accounts(users: list[User]) -> str:
-    """The ``accounts`` block: the services' account and one account per tenant."""
+    """The ``accounts`` block: the services' account, the gateway's and one per tenant."""
     services = next(u for u in users if u.name == SERVICES)
-    tenants = [u for u in users if u.name != SERVICES]
+    tenants = [u for u in users if u.name not in (SERVICES, GATEWAY)]
     lines = ["accounts {", *_services_account(services, tenants)]
+    gateway = next((u for u in users if u.name == GATEWAY), None)
+    if gateway is not None:
+        lines += [
+            f"  {_quote(GATEWAY_ACCOUNT)}: {{",
+            "    # the gateway's own connection: health checks only (it acts as each tenant)",
+            "    limits: { max_connections: 64 }",
+            f"    users: [ {{ nkey: {_quote(gateway.nkey)} }} ]",
+            "  }",
+        ]
     for user in tenants:
         lines += _tenant_account(user)
     lines.append("}")
