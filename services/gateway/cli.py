@@ -59,4 +59,5 @@ def run(args: argparse.Namespace) -> int:
         nats_url=url,
         service=settings.service,
         errors={CannotListen: 2, KeylessRemote: 2},
+        provision=False,  # the services own the streams; a keyed gateway's account has none
     )

@@ -35,8 +35,12 @@ def run_service(
     service: str,
     bus_name: str | None = None,
     errors: Errors | None = None,
+    provision: bool = True,
 ) -> int:
     """Run ``serve(bus, stop)`` as service ``service`` until it returns; the exit status.
+
+    ``provision``: create or update the streams and buckets on connecting (False for a process
+    that owns none: the gateway).
 
     ``stop`` is set by SIGTERM or SIGINT; ``serve`` returns once it has stopped cleanly, and the
     connection is drained after it. ``serve`` may return an exit status (None is 0).
@@ -51,7 +55,9 @@ def run_service(
     setup_metrics(service)
     wait = process_settings().connect_wait_s
     try:
-        main = _connected(serve, nats_url, bus_name or service, True, wait, health=service)
+        main = _connected(
+            serve, nats_url, bus_name or service, True, wait, health=service, provision=provision
+        )
         return _run(command, main, errors)
     finally:
         shutdown_tracing()
@@ -75,13 +81,21 @@ def run_client(
 
 
 async def _connected(
-    serve: Serve, url: str, name: str, signals: bool, wait: float, health: str | None = None
+    serve: Serve,
+    url: str,
+    name: str,
+    signals: bool,
+    wait: float,
+    health: str | None = None,
+    provision: bool = True,
 ) -> int:
     stop = stop_on_signals() if signals else asyncio.Event()
     # a service waits out a JetStream outage (a cluster without its quorum), saying so in its
     # log; a client command fails after its quick retries instead
     outage_wait = math.inf if health is not None else 0.0
-    bus = await Bus.connect(url, name, wait=wait, outage_wait=outage_wait)
+    bus = await Bus.connect(
+        url, name, wait=wait, outage_wait=outage_wait, provision_streams=provision
+    )
     if health is not None:
         bus.stopping = stop  # a SIGTERM ends a wait for JetStream too (StoppedWaiting, status 1)
     try:
