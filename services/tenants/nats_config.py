@@ -59,16 +59,15 @@ class Tls:
 
 
 def users_of(directory: Path) -> list[User]:
-    """The services' user (its seed is created on first use) and every tenant of
-    ``directory/tenants.toml``, whose seed files must exist."""
+    """The services' and the gateway's users (their seeds are created on first use) and every
+    tenant of ``directory/tenants.toml``, whose seed files must exist."""
     directory = Path(directory)
+    tenants = load_tenants(directory / TENANTS_FILE).tenants
+    # every tenant's seed first: a missing one is an error before anything is written
+    users = [User(n, public_key(seed_path(directory, n)), tenants[n]) for n in sorted(tenants)]
     services_key, _ = ensure_seed(seed_path(directory, SERVICES))
     gateway_key, _ = ensure_seed(seed_path(directory, GATEWAY))
-    users = [User(SERVICES, services_key), User(GATEWAY, gateway_key)]
-    tenants = load_tenants(directory / TENANTS_FILE).tenants
-    for name in sorted(tenants):
-        users.append(User(name, public_key(seed_path(directory, name)), tenants[name]))
-    return users
+    return [User(SERVICES, services_key), User(GATEWAY, gateway_key), *users]
 
 
 def _quote(value: str | Path) -> str:

@@ -26,6 +26,7 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import api
+from services.tenants.permissions import object_store_stream
 
 from schemas import subjects as sj
 from schemas.tenant import inbox_prefix
@@ -34,7 +35,6 @@ from services.bus import EmbeddedNats, flushed, provision
 from services.config.tenants import TenantQuota, TenantsFile, save_tenants
 from services.tenants.credentials import SERVICES, ensure_seed, seed_path
 from services.tenants.nats_config import render_authorization, users_of
-from services.tenants.permissions import object_store_stream
 
 ACME, BETA = "acme", "beta"
 RUN = "run_a1"

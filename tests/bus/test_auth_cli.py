@@ -16,8 +16,8 @@ from services.bus import Bus, free_port
 from services.bus.server import find_nats_server
 from services.cli import main
 from services.config.tenants import TenantQuota, load_tenants
-from services.tenants.credentials import public_key
-from services.tenants.permissions import tenant_permissions
+from services.tenants.accounts import tenant_account, tenant_shares
+from services.tenants.credentials import api_key_digest, public_key
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,11 +49,32 @@ def test_add_writes_quotas_and_a_private_seed_then_updates_only_what_is_given(
     assert seed.read_text().startswith("SU")
 
     assert plexrl("tenants", "add", "acme", "--max-lora-rank", "8", "--dir", d) == 0
-    assert load_tenants(d / "tenants.toml").quota("acme") == TenantQuota(
+    quota = load_tenants(d / "tenants.toml").quota("acme")
+    assert quota.model_copy(update={"api_key_sha256": None}) == TenantQuota(
         max_runs=2, max_lora_rank=8
     )
     assert public_key(seed) == key  # the seed is kept
     assert "(kept)" in capsys.readouterr().out
+
+
+def test_add_gives_a_new_tenant_an_api_key_shown_once_and_stores_only_its_digest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    d = tmp_path / "auth"
+    assert plexrl("tenants", "add", "acme", "--dir", d) == 0
+    key_file = d / "acme.key"
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    key = key_file.read_text().strip()
+    assert key.startswith("tml-") and len(key) > 40
+    assert key in capsys.readouterr().out  # shown once...
+    assert plexrl("tenants", "add", "acme", "--max-runs", "1", "--dir", d) == 0
+    assert key not in capsys.readouterr().out  # ...and not again
+    stored = (d / "tenants.toml").read_text()
+    assert key not in stored and api_key_digest(key) in stored
+    assert plexrl("tenants", "add", "acme", "--rotate-key", "--dir", d) == 0
+    rotated = key_file.read_text().strip()
+    assert rotated != key and rotated in capsys.readouterr().out
+    assert load_tenants(d / "tenants.toml").quota("acme").api_key_sha256 == api_key_digest(rotated)
 
 
 @pytest.mark.parametrize(
@@ -61,6 +82,7 @@ def test_add_writes_quotas_and_a_private_seed_then_updates_only_what_is_given(
     [
         (["services"], "reserved"),
         (["default"], "reserved"),
+        (["gateway"], "reserved"),
         (["run_x"], "illegal tenant name"),
         (["a.b"], "illegal tenant name"),
         (["acme", "--max-runs", "-1"], "max_runs"),
@@ -105,8 +127,8 @@ def test_list_and_remove(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert plexrl("tenants", "list", "--dir", d) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines == [
-        f"acme\tmax_runs 3\t{public_key(d / 'acme.nk')}",
-        f"beta\tmax_runs 3\t{public_key(d / 'beta.nk')}",
+        f"acme\tmax_runs 3\t{public_key(d / 'acme.nk')}\tAPI key set",
+        f"beta\tmax_runs 3\t{public_key(d / 'beta.nk')}\tAPI key set",
     ]
 
     before = snapshot(d)
@@ -116,24 +138,28 @@ def test_list_and_remove(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 
     assert plexrl("tenants", "remove", "acme", "--dir", d) == 0
     assert set(load_tenants(d / "tenants.toml").tenants) == {"beta"}
-    assert not (d / "acme.nk").exists()
-    assert (d / "beta.nk").exists()
+    assert not (d / "acme.nk").exists() and not (d / "acme.key").exists()
+    assert (d / "beta.nk").exists() and (d / "beta.key").exists()
 
 
-def test_nats_config_holds_public_keys_and_the_permission_table(
+def test_nats_config_holds_public_keys_and_an_account_per_tenant(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     d = tmp_path / "auth"
     for name in ("acme", "beta"):
-        assert plexrl("tenants", "add", name, "--dir", d) == 0
+        assert plexrl("tenants", "add", name, "--max-store-bytes", "100000000", "--dir", d) == 0
     assert plexrl("nats-config", "--dir", d, "--store-dir", tmp_path / "js") == 0
     conf = d / "nats.conf"
     text = conf.read_text()
-    for name in ("acme", "beta", "services"):
+    for name in ("acme", "beta", "services", "gateway"):
         assert public_key(d / f"{name}.nk") in text
         assert (d / f"{name}.nk").read_text().strip() not in text  # never a seed
-    for subject in tenant_permissions("acme").publish or ():
-        assert f'"{subject}"' in text
+        if name in ("acme", "beta"):
+            assert (d / f"{name}.key").read_text().strip() not in text  # nor an API key
+            assert f'"{tenant_account(name)}": {{' in text
+            for share in tenant_shares(name):
+                assert f'"{share.services_subject}"' in text
+    assert text.count("max_file: 100000000") == 2
     result = nats_server_accepts(conf)
     assert result.returncode == 0, result.stderr
 

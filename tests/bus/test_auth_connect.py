@@ -1,10 +1,10 @@
 """``Bus.connect`` with credentials: PLEXRL_NATS_CREDS, PLEXRL_TENANT, and the clear errors of a
-refused or unusable credential, against a real nats-server with the users of ``plexrl
+refused or unusable credential, against a real nats-server running the accounts of ``plexrl
 nats-config``."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import nkeys
@@ -19,8 +19,10 @@ from services.bus import Bus, BusUnavailable, EmbeddedNats, free_port
 from services.bus.bus import connect_options
 from services.config import process_settings
 from services.config.tenants import TenantQuota, TenantsFile, save_tenants
+from services.registry.service import Registry
+from services.registry.settings import RegistrySettings
 from services.tenants.credentials import SERVICES, ensure_seed, seed_path
-from services.tenants.nats_config import render_authorization, users_of
+from services.tenants.nats_config import render_nats_config, users_of
 
 ACME = "acme"
 
@@ -35,10 +37,28 @@ def auth_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def auth_server(auth_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
-    auth_file = auth_dir / "auth.conf"
-    auth_file.write_text(render_authorization(users_of(auth_dir)))
-    with EmbeddedNats(store_dir=tmp_path_factory.mktemp("authjs"), include=auth_file) as server:
+    conf, port = auth_dir / "nats.conf", free_port()
+    store = tmp_path_factory.mktemp("authjs")
+    conf.write_text(
+        render_nats_config(users_of(auth_dir), listen=f"127.0.0.1:{port}", store_dir=store)
+    )
+    with EmbeddedNats(store_dir=store / "log", port=port, config=conf) as server:
         yield server
+
+
+@pytest.fixture
+async def registry(
+    auth_server: EmbeddedNats, auth_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[Registry]:
+    """The registry, which answers a tenant's submits (the ingest)."""
+    _as(monkeypatch, seed_path(auth_dir, SERVICES))
+    bus = await Bus.connect(auth_server.url, "registry")
+    settings = RegistrySettings(output_dir=tmp_path / "out", tenants_file=auth_dir / "tenants.toml")
+    reg = Registry(bus, settings)
+    await reg.start()
+    yield reg
+    await reg.stop()
+    await bus.close()
 
 
 def _as(monkeypatch: pytest.MonkeyPatch, creds: Path | None, tenant: str = "default") -> None:
@@ -63,18 +83,18 @@ async def test_services_credentials_connect_and_provision(
 
 
 async def test_a_tenant_connects_with_its_inbox_prefix_and_publishes_its_own_submit(
-    auth_server: EmbeddedNats, auth_dir: Path, monkeypatch: pytest.MonkeyPatch
+    auth_server: EmbeddedNats, auth_dir: Path, registry: Registry, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _as(monkeypatch, seed_path(auth_dir, SERVICES))
-    await (await Bus.connect(auth_server.url, "registry")).close()  # the streams exist
     _as(monkeypatch, seed_path(auth_dir, ACME), ACME)
-    # provisioning is skipped: a tenant's key may not create or inspect streams
+    # provisioning is skipped: the services own the streams
     bus = await Bus.connect(auth_server.url, "cli")
     try:
         assert bytes(bus.nc._inbox_prefix).decode() == inbox_prefix(ACME)
         event = RunSubmitted(run_id="run_acme1", config={"env": "reverse"}, submitted_by="test")
         ack = await bus.publish(sj.runs_subject("submit", ACME), event, msg_id="run_acme1/1")
-        assert ack.stream == sj.RUNS_STREAM
+        assert ack.stream == sj.RUNS_STREAM and ack.seq > 0  # the services' stream stored it
+        names = {s.config.name for s in await bus.js.streams_info()}
+        assert names == {sj.RUNS_STREAM, sj.WEIGHTS_STREAM}  # only its own views
     finally:
         await bus.close()
 
@@ -105,16 +125,17 @@ async def test_an_unknown_key_is_refused_naming_the_credential_file(
     assert "plexrl nats-config" in message
 
 
-async def test_a_tenant_key_acting_as_the_default_tenant_cannot_subscribe_to_inboxes(
-    auth_server: EmbeddedNats, auth_dir: Path, monkeypatch: pytest.MonkeyPatch
+async def test_a_tenant_key_acting_as_the_default_tenant_reaches_nothing(
+    auth_server: EmbeddedNats, auth_dir: Path, registry: Registry, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Without PLEXRL_TENANT the client uses _INBOX.*, which the tenant's key may not read, so a
-    request gets no answer: the inbox prefix is what makes a tenant's requests work."""
+    """Without PLEXRL_TENANT the client names the default tenant's subjects, which do not exist
+    in the tenant's account: nothing answers."""
     _as(monkeypatch, seed_path(auth_dir, ACME))
     bus = await Bus.connect(auth_server.url, "cli", provision_streams=False)
     try:
-        with pytest.raises((NatsTimeout, NoRespondersError)):
-            await bus.nc.request(sj.runs_subject("submit", ACME), b"{}", timeout=0.5)
+        for subject in (sj.SUBMIT, sj.REGISTRY_LIST, sj.GENERATE):
+            with pytest.raises((NatsTimeout, NoRespondersError)):
+                await bus.nc.request(subject, b"{}", timeout=0.5)
     finally:
         await bus.close()
 

@@ -19,7 +19,7 @@ from services.bus import Bus, EmbeddedNats, free_port
 from services.config.tenants import TenantQuota, TenantsFile, save_tenants
 from services.launch.health import announce, check, this_host
 from services.tenants.credentials import SERVICES, ensure_seed, seed_path
-from services.tenants.nats_config import render_authorization, users_of
+from services.tenants.nats_config import render_nats_config, users_of
 
 TENANT = "team-a"
 
@@ -35,10 +35,12 @@ def auth_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def auth_server(auth_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedNats]:
-    """A nats-server that knows only the services' and one tenant's public keys."""
-    include = auth_dir / "auth.conf"
-    include.write_text(render_authorization(users_of(auth_dir)))
-    with EmbeddedNats(store_dir=tmp_path_factory.mktemp("healthjs"), include=include) as s:
+    """A nats-server on the accounts of the services and one tenant, as plexrl nats-config
+    writes them."""
+    conf, port, store = auth_dir / "nats.conf", free_port(), tmp_path_factory.mktemp("healthjs")
+    listen = f"127.0.0.1:{port}"
+    conf.write_text(render_nats_config(users_of(auth_dir), listen=listen, store_dir=store))
+    with EmbeddedNats(store_dir=store / "log", port=port, config=conf) as s:
         yield s
 
 
@@ -177,7 +179,7 @@ def test_only_the_services_credentials_may_ask(
     assert anonymous.returncode == 1
     assert anonymous.stdout.startswith("unhealthy: NATS at ")
     assert "PLEXRL_NATS_CREDS" in anonymous.stdout
-    # a tenant's credentials reach NATS, but the broker lets them ping no service
+    # a tenant's credentials reach NATS, but its account holds no service of the services
     tenant = _health(auth_server.url, _env(auth_dir, TENANT), "registry", "--timeout", "1")
     assert tenant.returncode == 1
     assert tenant.stdout.startswith("unhealthy: no plexrl-registry on ")
@@ -196,7 +198,8 @@ def test_unhealthy_without_nats_and_refuses_a_bad_name(auth_dir: Path) -> None:
 async def test_a_process_acting_for_a_tenant_registers_nothing(
     auth_server: EmbeddedNats, auth_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``plexrl orchestrator`` run by a tenant: the broker would refuse ``$SRV`` subscriptions."""
+    """``plexrl orchestrator`` run by a tenant: no deployment probes it, and its account is not
+    where the services' health checks look."""
     monkeypatch.setenv("PLEXRL_NATS_CREDS", str(seed_path(auth_dir, TENANT)))
     monkeypatch.setenv("PLEXRL_TENANT", TENANT)
     bus = await Bus.connect(auth_server.url, "orchestrator")
