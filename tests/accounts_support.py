@@ -1,9 +1,9 @@
 """A nats-server running the accounts config of ``plexrl nats-config``, for the tests.
 
-:func:`accounts_broker` writes the tenants file and every seed the way ``plexrl tenants add``
-does, renders the config with the production code (``render_nats_config``), starts a real
-nats-server on it and connects clients as any of its users: the services, the gateway or a
-tenant (each a :class:`~services.bus.Bus` acting for that tenant, with its inbox prefix).
+:func:`accounts_broker` runs ``plexrl tenants add`` for each tenant and ``plexrl nats-config``
+(the CLI itself, in this process), starts a real nats-server on the config it wrote and connects
+clients as any of its users: the services, the gateway or a tenant (each a
+:class:`~services.bus.Bus` acting for that tenant, with its inbox prefix).
 """
 
 from __future__ import annotations
@@ -15,18 +15,8 @@ from pathlib import Path
 
 from services.bus import Bus, EmbeddedNats, free_port
 from services.config import process_settings
-from services.config.tenants import TenantQuota, TenantsFile, save_tenants
-from services.tenants.credentials import (
-    GATEWAY,
-    SERVICES,
-    api_key_digest,
-    ensure_seed,
-    key_path,
-    new_api_key,
-    seed_path,
-    write_api_key,
-)
-from services.tenants.nats_config import render_nats_config, users_of
+from services.config.tenants import TenantQuota
+from services.tenants.credentials import GATEWAY, SERVICES, key_path, seed_path
 
 
 @dataclass
@@ -64,22 +54,23 @@ class AccountsBroker:
 
 
 def write_auth(auth: Path, tenants: dict[str, TenantQuota]) -> None:
-    """The tenants file, every seed and every tenant's API key, as ``plexrl tenants add``."""
-    with_keys = {}
+    """The tenants file, every seed and every tenant's API key: ``plexrl tenants add``."""
+    from services.cli import main
+
     for name, quota in tenants.items():
-        key = new_api_key()
-        write_api_key(key_path(auth, name), key)
-        ensure_seed(seed_path(auth, name))
-        with_keys[name] = quota.model_copy(update={"api_key_sha256": api_key_digest(key)})
-    save_tenants(auth / "tenants.toml", TenantsFile(tenants=with_keys))
-    ensure_seed(seed_path(auth, SERVICES))
+        flags = []
+        for field, value in quota.model_dump(exclude_defaults=True).items():
+            flags += [f"--{field.replace('_', '-')}", str(value)]
+        assert main(["tenants", "add", name, "--dir", str(auth), *flags]) == 0
 
 
 def write_config(auth: Path, port: int, store: Path) -> Path:
-    """``auth/nats.conf`` for the tenants of ``auth/tenants.toml``, as ``plexrl nats-config``."""
-    conf = auth / "nats.conf"
-    conf.write_text(render_nats_config(users_of(auth), listen=f"127.0.0.1:{port}", store_dir=store))
-    return conf
+    """``auth/nats.conf`` for the tenants of ``auth/tenants.toml``: ``plexrl nats-config``."""
+    from services.cli import main
+
+    listen = ("--listen", f"127.0.0.1:{port}", "--store-dir", str(store))
+    assert main(["nats-config", "--dir", str(auth), *listen]) == 0
+    return auth / "nats.conf"
 
 
 @contextlib.contextmanager

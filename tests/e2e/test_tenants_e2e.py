@@ -1,37 +1,34 @@
-"""Two tenants train at once on one set of services, each confined to its own subjects.
+"""Two tenants train at once on one set of services, each in an account of its own.
 
-A nats-server with the production permission lists (services/tenants/permissions.py) for users
-``acme`` and ``beta`` and an all-subjects user for the services, here by user and password. The
-registry, trainer and inference run as the services' user; one ``plexrl orchestrator`` per
-tenant runs with ``PLEXRL_TENANT`` and that tenant's credentials. Both runs must be trained to
-their last step, each RunDiscovered must name its tenant, and each run's WeightsReady must land
-on its tenant's weights subject.
+A nats-server running the accounts of ``plexrl tenants add`` and ``plexrl nats-config`` for
+``acme`` and ``beta``. The registry, trainer and inference run with the services' seed; one
+``plexrl orchestrator`` per tenant runs with ``PLEXRL_TENANT`` and that tenant's seed, so its
+submit and its rollouts reach the services only through the registry's checks, and it follows
+its run in the views the registry keeps in its account. Both runs must be trained to their last
+step, each RunDiscovered must name its tenant, each run's WeightsReady must land on its
+tenant's weights subject, and each tenant's own view must hold its run's events.
 """
 
 from __future__ import annotations
 
-import json
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from accounts_support import AccountsBroker, accounts_broker
 from up_support import clean_env, plexrl
 
 from schemas import subjects as sj
 from schemas.codec import decode
 from schemas.events import RunDiscovered, WeightsReady
-from services.bus import Bus
-from services.bus.server import find_nats_server, free_port
-from services.config.tenants import TenantQuota, TenantsFile, save_tenants
+from services.config.tenants import TenantQuota
 from services.model.tiny import build_tiny_model
 from services.runs.progress import read_progress
-from services.tenants.permissions import tenant_permissions
+from services.tenants.credentials import SERVICES
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-PASSWORD = "pw"
 TENANTS = {"acme": "run_acme", "beta": "run_beta"}
 MAX_STEPS = 3
 RUN_CONFIG = f"""env = "reverse"
@@ -51,32 +48,6 @@ lr = 1e-3
 temperature = 1.0
 max_tokens = 4
 """
-
-
-def server_config(store: Path, port: int) -> str:
-    users: list[dict[str, object]] = [{"user": "svc", "password": PASSWORD}]
-    for tenant in TENANTS:
-        perms = tenant_permissions(tenant)
-        users.append(
-            {
-                "user": tenant,
-                "password": PASSWORD,
-                "permissions": {
-                    "publish": {"allow": list(perms.publish or ())},
-                    "subscribe": {"allow": list(perms.subscribe or ())},
-                },
-            }
-        )
-    return (
-        f"listen: 127.0.0.1:{port}\n"
-        "max_payload: 8388608\n"
-        f'jetstream {{\n  store_dir: "{store}"\n}}\n'
-        f"authorization {{\n  users: {json.dumps(users)}\n}}\n"
-    )
-
-
-def url(port: int, user: str) -> str:
-    return f"nats://{user}:{PASSWORD}@127.0.0.1:{port}"
 
 
 class Processes:
@@ -125,42 +96,30 @@ def procs(tmp_path: Path) -> Iterator[Processes]:
 
 
 async def test_two_tenants_train_side_by_side(tmp_path: Path, procs: Processes) -> None:
-    port = free_port()
-    (tmp_path / "nats.conf").write_text(server_config(tmp_path / "js", port))
-    procs.start("nats", [find_nats_server(), "-c", str(tmp_path / "nats.conf")])
+    with accounts_broker(tmp_path, {t: TenantQuota() for t in TENANTS}) as broker:
+        await _train_side_by_side(tmp_path, procs, broker)
+
+
+async def _train_side_by_side(tmp_path: Path, procs: Processes, broker: AccountsBroker) -> None:
     model = build_tiny_model(tmp_path / "model", seed=0)
     out = tmp_path / "out"
-    tenants_file = tmp_path / "tenants.toml"
-    save_tenants(tenants_file, TenantsFile(tenants={t: TenantQuota() for t in TENANTS}))
-
-    svc_url = url(port, "svc")
     sizes = ["--max-runs", "4", "--max-lora-rank", "8"]
-    bus = None
-    for _ in range(100):  # the server needs a moment to listen; the bus provisions the streams
-        try:
-            bus = await Bus.connect(svc_url, "test")
-            break
-        except Exception:
-            time.sleep(0.05)
-    assert bus is not None, procs.log("nats")
+    bus = await broker.connect(SERVICES)  # provisions the streams
     try:
-        env = clean_env() | {"PLEXRL_TENANTS_FILE": str(tenants_file)}
+        services = clean_env() | broker.env(SERVICES)
         procs.start(
             "registry",
-            plexrl("registry", "--output-dir", str(out), *sizes, "--nats-url", svc_url),
-            env,
+            plexrl("registry", "--output-dir", str(out), *sizes),
+            services | {"PLEXRL_TENANTS_FILE": str(broker.tenants_file)},
         )
         for service in ("inference", "trainer"):
             argv = [service, "--model", str(model), "--output-dir", str(out), "--threads", "1"]
-            procs.start(service, plexrl(*argv, *sizes, "--nats-url", svc_url))
+            procs.start(service, plexrl(*argv, *sizes), services)
         for tenant, run_id in TENANTS.items():
             config = tmp_path / f"{run_id}.toml"
             config.write_text(RUN_CONFIG)
             argv = ["orchestrator", run_id, "--config", str(config), "--model", str(model)]
-            tenant_env = clean_env() | {
-                "PLEXRL_TENANT": tenant,
-                "PLEXRL_NATS_URL": url(port, tenant),
-            }
+            tenant_env = clean_env() | broker.env(tenant)
             procs.start(
                 f"orchestrator-{tenant}", plexrl(*argv, "--output-dir", str(out)), tenant_env
             )
@@ -185,5 +144,17 @@ async def test_two_tenants_train_side_by_side(tmp_path: Path, procs: Processes) 
                 stream = sj.WEIGHTS_STREAM if ".weights." in subject else sj.ROLLOUTS_STREAM
                 with pytest.raises(Exception, match=r"not found|NotFound|no message"):
                     await bus.js.get_last_msg(stream, subject)
+            # the tenant's own view holds its run's events, and no other tenant's
+            mine = await broker.connect(tenant)
+            try:
+                seen = await mine.js.get_last_msg(sj.WEIGHTS_STREAM, f"plexrl.weights.{tenant}.>")
+                assert decode(seen.data or b"", WeightsReady).step == MAX_STEPS
+                names = {i.config.name for i in await mine.js.streams_info()}
+                assert names == {sj.RUNS_STREAM, sj.WEIGHTS_STREAM}
+                other = next(t for t in TENANTS if t != tenant)
+                with pytest.raises(Exception, match=r"not found|NotFound|no message"):
+                    await mine.js.get_last_msg(sj.RUNS_STREAM, f"plexrl.runs.{other}.>")
+            finally:
+                await mine.close()
     finally:
         await bus.close()

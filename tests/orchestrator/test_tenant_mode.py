@@ -1,17 +1,15 @@
-"""An orchestrator acting for a tenant, under the broker's per-user permissions.
+"""An orchestrator acting for a tenant, on the accounts of ``plexrl nats-config``.
 
-The nats-server below has three users in one account: ``svc`` (the services: every subject) and
-the tenants ``acme`` and ``beta``, each allowed its own subjects only. The registry runs as
-``svc``; the orchestrator connects as ``acme`` with ``PLEXRL_TENANT=acme``, so anything it did
-outside acme's subjects (a KV read, a consumer on the whole runs stream, a plain inbox) would be
-a permission violation reported to its connection's error callback.
+The nats-server below runs the services' account and the accounts of tenants ``acme`` and
+``beta``. The registry runs in the services' account (it answers acme's submits and rollouts and
+keeps acme's views); the orchestrator connects with acme's seed and ``PLEXRL_TENANT=acme``, so
+anything it did outside acme's slice (a KV read, a consumer on a services' stream, a subject of
+the default tenant's) would find nothing there at all.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +17,10 @@ from typing import Any
 import msgspec
 import nats
 import pytest
+from accounts_support import AccountsBroker, accounts_broker
+from nats.errors import NoRespondersError
 from nats.js import api
+from nats.js.errors import APIError, NoStreamResponseError
 
 from schemas import subjects as sj
 from schemas.codec import decode
@@ -30,9 +31,8 @@ from schemas.events import (
     RunDiscovered,
     RunEvicted,
 )
-from schemas.tenant import inbox_prefix, progress_inbox_prefix
+from schemas.tenant import inbox_prefix
 from services.bus import Bus, Follower, MessageMeta, flushed
-from services.bus.server import find_nats_server, free_port
 from services.config.tenants import TenantQuota, TenantsFile
 from services.inference.service import InferenceService
 from services.inference.torch_engine import TorchEngine
@@ -43,75 +43,38 @@ from services.orchestrator.run_loop import RunOrchestrator
 from services.orchestrator.state import last_published_batch, read_progress
 from services.registry.service import Registry
 from services.registry.settings import RegistrySettings
-from services.tenants.permissions import tenant_permissions as production_permissions
+from services.tenants.credentials import SERVICES
+from services.tenants.views import ensure_views
 
 from .conftest import orch_config
-from .replica import ScriptedReplica, eventually, fake_weights
+from .replica import ScriptedReplica, fake_weights
 
 RUN = "run_orch"
-PASSWORD = "pw"
 LORA_TARGETS = list(DEFAULT_TARGET_MODULES)
-
-
-def tenant_permissions(t: str) -> dict[str, Any]:
-    """The production permission lists of tenant ``t`` (services/tenants/permissions.py)."""
-    perms = production_permissions(t)
-    return {
-        "publish": {"allow": list(perms.publish or ())},
-        "subscribe": {"allow": list(perms.subscribe or ())},
-    }
-
-
-def server_config(store: Path, port: int) -> str:
-    users = [{"user": "svc", "password": PASSWORD}] + [
-        {"user": t, "password": PASSWORD, "permissions": tenant_permissions(t)}
-        for t in ("acme", "beta")
-    ]
-    return (
-        f"listen: 127.0.0.1:{port}\n"
-        f'jetstream {{\n  store_dir: "{store}"\n}}\n'
-        f"authorization {{\n  users: {json.dumps(users)}\n}}\n"
-    )
+TENANTS = {"acme": TenantQuota(), "beta": TenantQuota()}
 
 
 @pytest.fixture
-def broker(tmp_path: Path) -> Iterator[int]:
-    """A permissioned nats-server; yields its port."""
-    port = free_port()
-    conf = tmp_path / "nats.conf"
-    conf.write_text(server_config(tmp_path / "js", port))
-    log = open(tmp_path / "nats-server.log", "ab")  # noqa: SIM115 - lives with the process
-    proc = subprocess.Popen([find_nats_server(), "-c", str(conf)], stdout=log, stderr=log)
-    log.close()
-    yield port
-    proc.kill()
-    proc.wait()
-
-
-def url(port: int, user: str = "svc") -> str:
-    return f"nats://{user}:{PASSWORD}@127.0.0.1:{port}"
+def broker(tmp_path: Path) -> Iterator[AccountsBroker]:
+    with accounts_broker(tmp_path, TENANTS) as b:
+        yield b
 
 
 @pytest.fixture
-async def svc(broker: int) -> AsyncIterator[Bus]:
-    for _ in range(100):  # the server needs a moment to listen
-        try:
-            b = await Bus.connect(url(broker), "test")
-            break
-        except Exception:
-            await asyncio.sleep(0.05)
-    else:
-        raise AssertionError("the permissioned nats-server did not start")
+async def svc(broker: AccountsBroker) -> AsyncIterator[Bus]:
+    """The services' connection; the tenants' views exist (the registry keeps them)."""
+    b = await broker.connect(SERVICES)
+    for tenant in TENANTS:
+        await ensure_views(b.nc, tenant)
     yield b
     await b.close()
 
 
 @pytest.fixture
-async def registry(broker: int, svc: Bus, out: Path) -> AsyncIterator[Registry]:
-    rbus = await Bus.connect(url(broker), "registry")
-    tenants = TenantsFile(tenants={"acme": TenantQuota(), "beta": TenantQuota()})
+async def registry(broker: AccountsBroker, svc: Bus, out: Path) -> AsyncIterator[Registry]:
+    rbus = await broker.connect(SERVICES, "registry")
     settings = RegistrySettings(output_dir=out, max_runs=4, scan_interval=3600.0)
-    reg = Registry(rbus, settings, tenants=tenants)
+    reg = Registry(rbus, settings, tenants=TenantsFile(tenants=TENANTS))
     await reg.start()
     yield reg
     await reg.stop()
@@ -125,12 +88,13 @@ class TenantConnection:
         self.errors: list[Exception] = []
         self.bus: Bus | None = None
 
-    async def open(self, port: int, tenant: str) -> Bus:
+    async def open(self, broker: AccountsBroker, tenant: str) -> Bus:
         async def on_error(exc: Exception) -> None:
             self.errors.append(exc)
 
         nc = await nats.connect(
-            url(port, tenant),
+            broker.url,
+            nkeys_seed=str(broker.seed(tenant)),
             inbox_prefix=inbox_prefix(tenant),
             error_cb=on_error,
             allow_reconnect=False,
@@ -138,12 +102,11 @@ class TenantConnection:
         self.bus = Bus(nc, "orchestrator")
         return self.bus
 
-    def violations(self) -> list[str]:
-        return [str(e) for e in self.errors if "permissions violation" in str(e).lower()]
-
 
 @pytest.fixture
-async def acme(broker: int, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[TenantConnection]:
+async def acme(
+    broker: AccountsBroker, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[TenantConnection]:
     monkeypatch.setenv("PLEXRL_TENANT", "acme")
     conn = TenantConnection()
     await conn.open(broker, "acme")
@@ -203,7 +166,6 @@ async def trainer_stand_in(svc: Bus, tenant: str, stop: asyncio.Event) -> None:
         sj.tenant_rollouts_subject(RUN, tenant),
         RolloutBatch,
         on_batch,
-        tenant="default",
     )
     await follower.start()
     try:
@@ -224,7 +186,12 @@ async def trainer_stand_in(svc: Bus, tenant: str, stop: asyncio.Event) -> None:
 
 
 async def test_a_tenant_orchestrator_runs_on_its_own_subjects(
-    broker: int, svc: Bus, registry: Registry, acme: TenantConnection, out: Path, tokenizer: Any
+    broker: AccountsBroker,
+    svc: Bus,
+    registry: Registry,
+    acme: TenantConnection,
+    out: Path,
+    tokenizer: Any,
 ) -> None:
     replica = await TenantReplica(svc, RUN, "acme").start()
     stop_trainer = asyncio.Event()
@@ -250,6 +217,9 @@ async def test_a_tenant_orchestrator_runs_on_its_own_subjects(
     rollouts = await stored(svc, sj.ROLLOUTS_STREAM)
     assert [s for s, _ in rollouts] == [f"plexrl.rollouts.acme.{RUN}"] * 3
     assert [decode(d, RolloutBatch).step for _, d in rollouts] == [0, 1, 2]
+    # stored by the registry under acme's own message ids, prefixed with its tenant
+    last = await svc.js.get_last_msg(sj.ROLLOUTS_STREAM, f"plexrl.rollouts.acme.{RUN}")
+    assert (last.headers or {})["Nats-Msg-Id"] == f"acme/{RUN}/step_2"
     runs = await stored(svc, sj.RUNS_STREAM)
     assert [s for s, _ in runs] == ["plexrl.runs.acme.submit", "plexrl.runs.acme.discovered"]
     discovered: RunDiscovered = decode(runs[1][1], RunDiscovered)
@@ -258,36 +228,33 @@ async def test_a_tenant_orchestrator_runs_on_its_own_subjects(
     # max_async_level 0: step n waited for version n, announced on acme's weights subject
     assert sorted({r.min_policy_version for r in replica.requests}) == [0, 1, 2]
 
-    # The resume witnesses a tenant may read: the stream's last batch through a consumer of
-    # its own subject, the trainer's progress through the registry's list (none written here).
-    assert (await last_published_batch(acme.bus, RUN))[0] == 2
+    # The resume witnesses a tenant may read: the trainer's progress through the registry's
+    # list (none written here); its account holds no rollouts stream, so that witness is absent.
+    assert (await last_published_batch(acme.bus, RUN))[0] is None
     assert await read_progress(acme.bus, RUN) is None
     assert acme.errors == [], acme.errors
 
 
-async def test_the_broker_keeps_another_tenants_rollouts_out_of_reach(
-    broker: int, svc: Bus, acme: TenantConnection
+async def test_another_tenant_can_neither_write_nor_read_acmes_rollouts(
+    broker: AccountsBroker, svc: Bus, registry: Registry, acme: TenantConnection
 ) -> None:
-    """The permissions above are in force: beta cannot read acme's rollouts, acme can."""
-    assert acme.bus is not None
-    assert (await last_published_batch(acme.bus, RUN, tenant="acme"))[0] is None  # nothing yet
+    """beta names acme's rollouts subject (nothing there in beta's account) or acme's run on
+    its own subject (the registry refuses it); acme's stored batches stay as they are."""
     batch = RolloutBatch(run_id=RUN, step=4, policy_version=0, samples=[])
     await svc.publish(sj.tenant_rollouts_subject(RUN, "acme"), batch)
-    assert (await last_published_batch(acme.bus, RUN, tenant="acme"))[0] == 4
+    before = await stored(svc, sj.ROLLOUTS_STREAM)
     beta = TenantConnection()
     beta_bus = await beta.open(broker, "beta")
     try:
-        with pytest.raises(Exception):  # noqa: B017 - the reply never comes: a timeout
-            (await last_published_batch(beta_bus, RUN, tenant="acme"))[0]
-        await eventually(lambda: _async(beta.violations()), timeout=5.0)
-        assert "plexrl.rollouts.acme" in beta.violations()[0]
+        with pytest.raises((NoRespondersError, NoStreamResponseError)):
+            await beta_bus.js.publish(sj.tenant_rollouts_subject(RUN, "acme"), b"{}")
+        with pytest.raises(APIError, match="tenant beta has no active run run_orch"):
+            await beta_bus.publish(sj.tenant_rollouts_subject(RUN, "beta"), batch, attempts=1)
+        assert (await last_published_batch(beta_bus, RUN, tenant="acme"))[0] is None
     finally:
         await beta_bus.close()
+    assert await stored(svc, sj.ROLLOUTS_STREAM) == before
     assert acme.errors == []
-
-
-async def _async(value: Any) -> Any:
-    return value
 
 
 async def test_a_lifecycle_event_naming_another_tenant_is_ignored(
@@ -337,7 +304,7 @@ async def test_without_a_registry_admission_goes_by_the_lifecycle_events(
 
 
 async def test_a_held_run_with_another_config_is_refused_for_a_tenant(
-    broker: int, svc: Bus, registry: Registry, acme: TenantConnection
+    broker: AccountsBroker, svc: Bus, registry: Registry, acme: TenantConnection
 ) -> None:
     """The registry's row says active; the RunDiscovered says which config: not this one."""
     assert acme.bus is not None
@@ -361,13 +328,12 @@ async def test_a_held_run_with_another_config_is_refused_for_a_tenant(
 
 
 async def test_a_tenant_hears_progress_from_a_real_replica_and_only_in_its_own_inboxes(
-    broker: int, svc: Bus, acme: TenantConnection, tiny_dir: Path, out: Path
+    broker: AccountsBroker, svc: Bus, acme: TenantConnection, tiny_dir: Path, out: Path
 ) -> None:
-    """The replica (the services' user) publishes progress to acme's inbox, under
-    ``_INBOX_acme.``, the only inboxes acme's credentials may subscribe to; a request of acme's
-    that names any other progress subject is refused before anything is published."""
-    assert f"{progress_inbox_prefix('acme')}>" in (production_permissions("acme").subscribe or ())
-    rbus = await Bus.connect(url(broker), "inference")
+    """The replica (in the services' account) publishes progress to acme's inbox, under
+    ``_INBOX_acme.``, which acme's account imports; a request of acme's that names any other
+    progress subject is refused before anything is published."""
+    rbus = await broker.connect(SERVICES, "inference")
     engine = TorchEngine(tiny_dir, max_runs=2, max_lora_rank=8, target_modules=LORA_TARGETS)
     service = InferenceService(rbus, engine, max_runs=2, replica_name="svc-replica", output_dir=out)
     await service.start()
