@@ -12,6 +12,7 @@ from schemas.codec import MSGPACK, DecodeError, decode, encode
 from schemas.events import (
     SUPPORTED_VERSIONS,
     AnyEvent,
+    EvictRequested,
     GenerateRequest,
     RolloutBatch,
     RunDiscovered,
@@ -146,3 +147,10 @@ def test_a_reader_without_the_progress_fields_still_reads_a_new_request() -> Non
         header = MSGPACK if fmt == "msgpack" else None
         old = decode(raw, OldGenerateRequest, content_type_header=header)
         assert (old.request_id, old.prompts, old.n) == (new.request_id, new.prompts, 2)
+
+
+def test_an_evict_request_from_before_delete_existed_only_evicts() -> None:
+    old = b'{"type":"evict_requested","schema_version":1,"run_id":"run_a","reason":"done"}'
+    event = decode(old, AnyEvent)
+    assert isinstance(event, EvictRequested) and event.delete is False
+    assert decode(old, EvictRequested).reason == "done"

@@ -99,5 +99,6 @@ test('asyncapi.yaml is a valid AsyncAPI 3 document', async () => {
   assert.ok(addresses.includes('plexrl.inference.generate'));
   assert.ok(addresses.includes('plexrl.registry.list'));
   assert.ok(addresses.includes('{progress_subject}'));
-  assert.equal(document.operations().all().length, 40);
+  assert.ok(addresses.includes('plexrl.ingest.{tenant}.submit'));
+  assert.equal(document.operations().all().length, 46);
 });
