@@ -149,6 +149,27 @@ def register(subparsers: Any) -> None:
     )
     conf.set_defaults(func=_nats_config)
 
+    migrate = subparsers.add_parser(
+        "nats-migrate",
+        help="move a single-account deployment's streams into the services' account",
+        description=(
+            "Upgrade a deployment made before tenants had NATS accounts: with the nats-server "
+            "stopped, move its JetStream data from the global account ($G) to the services' "
+            "account, keeping every message, sequence number, consumer, KV revision and "
+            "object. Then start the server on the config of `plexrl nats-config`."
+        ),
+    )
+    migrate.add_argument(
+        "--store-dir",
+        type=Path,
+        required=True,
+        help="the server's JetStream store_dir (it holds jetstream/)",
+    )
+    migrate.add_argument(
+        "--dry-run", action="store_true", help="say what would move, and move nothing"
+    )
+    migrate.set_defaults(func=_nats_migrate)
+
 
 def _dir_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -281,4 +302,20 @@ def _nats_config(args: argparse.Namespace) -> int:
         f"wrote {out}: the services' account and {len(tenants)} tenant account(s) "
         f"{', '.join(tenants)}; reload the server twice (nats-server --signal reload) or restart it"
     )
+    return 0
+
+
+def _nats_migrate(args: argparse.Namespace) -> int:
+    from services.tenants.migrate import MigrationError, migrate, plan
+
+    try:
+        moved = plan(args.store_dir) if args.dry_run else migrate(args.store_dir)
+    except (MigrationError, OSError) as exc:
+        return _fail("nats-migrate", exc)
+    verb = "would move" if args.dry_run else "moved"
+    print(f"{verb} {moved.source} to {moved.target}: {len(moved.streams)} streams")
+    for name in moved.streams:
+        print(f"  {name}")
+    if not args.dry_run:
+        print("  next: start the server on the config of `plexrl nats-config`")
     return 0

@@ -84,10 +84,13 @@ def test_compose_nats_starts_after_auth_and_services_use_their_seed(
     plexrl = {n: s for n, s in services.items() if s.get("image") == "plexrl:local" and n != "auth"}
     assert plexrl
     for name, svc in plexrl.items():
-        assert svc["environment"]["PLEXRL_NATS_CREDS"] == CREDS, name
+        # the gateway acts as each tenant with the tenant's seed: its own reaches nothing
+        seed = f"{AUTH_DIR}/gateway.nk" if name == "gateway" else CREDS
+        assert svc["environment"]["PLEXRL_NATS_CREDS"] == seed, name
         assert f"auth:{AUTH_DIR}:ro" in svc["volumes"], name
-    registry = services["registry"]["environment"]
-    assert registry["PLEXRL_TENANTS_FILE"] == f"{AUTH_DIR}/tenants.toml"
+    for name in ("registry", "gateway"):  # the quotas, and the API keys' digests
+        env = services[name]["environment"]
+        assert env["PLEXRL_TENANTS_FILE"] == f"{AUTH_DIR}/tenants.toml", name
     assert "auth" in compose["volumes"]
 
 
