@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from schemas.config import DEFAULT_TARGET_MODULES
+from services.model import lora_gather
 from services.model.peft_io import peft_adapter_config
 from services.model.routing import NO_ADAPTER, AdapterContext, Route
 from services.model.targets import SUPPORTED_LAYERS, find_targets, is_conv1d, lora_dims
@@ -144,6 +145,8 @@ class MultiLoRALinear(nn.Module):
             nn.Parameter(torch.zeros(self.out_features, max_rank, device=device, dtype=dtype))
             for _ in range(n_adapters)
         )
+        self.stacked: lora_gather.StackedSlots | None = None
+        """The slots stacked for the gather path (lora_gather.py); None until stacked."""
 
     def extra_repr(self) -> str:
         return (
@@ -181,6 +184,8 @@ class MultiLoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base_layer(x)
+        if self.adapter_context.gather_slots is not None:
+            return lora_gather.add_gathered(out, x, self)
         route = self.adapter_context.route(x)
         if route is None:
             return out
@@ -336,6 +341,7 @@ class MultiLoRA:
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         for layer in self.layers.values():
             layer.reset_slot(idx, rank, generator)
+        lora_gather.refresh_slots(self, [idx])
 
     def slot_named_parameters(self, idx: int) -> list[tuple[str, nn.Parameter]]:
         """Slot ``idx``'s parameters under their names in ``model.named_parameters()``."""
@@ -390,6 +396,11 @@ class MultiLoRA:
             layer.load_slot(
                 idx, state_dict[peft_key(name, "lora_A")], state_dict[peft_key(name, "lora_B")]
             )
+        lora_gather.refresh_slots(self, [idx])
+
+    def stack_slots(self) -> None:
+        """Keep stacked copies of every slot for the gather path (see lora_gather.py)."""
+        lora_gather.stack_slots(self)
 
 
 def _family_targets(model: nn.Module) -> tuple[str, ...]:

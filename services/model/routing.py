@@ -77,6 +77,9 @@ class AdapterContext:
         self._alphas = [float(max_rank)] * n_adapters
         self._slot_ids: torch.Tensor | None = None
         self._cache: tuple[tuple[object, ...], Route | None] | None = None
+        self.gather_slots: torch.Tensor | None = None
+        """Slot of every token ([T], on the activations' device) while the layers add their
+        deltas by gather (lora_gather.py); None: they route by ``slot_ids``."""
 
     # --- per-slot configuration ----------------------------------------------------------------
 
@@ -128,6 +131,12 @@ class AdapterContext:
                 f"slot ids must lie in -1..{self.n_adapters - 1}, got values {low}..{high}"
             )
         self._slot_ids = ids
+
+    def set_gather_slots(self, token_slots: torch.Tensor | None) -> None:
+        """Switch the layers to the gather path with this slot per token (trusted: a device
+        tensor of ids in -1..n-1, checked by whoever built it, so no host synchronisation), or
+        back to routing with None."""
+        self.gather_slots = token_slots
 
     # --- routing -------------------------------------------------------------------------------
 
