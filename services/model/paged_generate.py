@@ -171,11 +171,13 @@ class PagedGenerator:
 
     # --- joining ----------------------------------------------------------------------------
 
-    def add(self, specs: Sequence[SequenceSpec], tag: Any = None) -> list[ActiveSequence]:
+    def add(
+        self, specs: Sequence[SequenceSpec], tags: Sequence[Any] | None = None
+    ) -> list[ActiveSequence]:
         """Admit ``specs`` (they must fit): prefill them and sample their first tokens.
 
-        Returns one ActiveSequence per spec; those already finished (a stop token first, or
-        ``max_tokens`` 1) hold no row any more.
+        Returns one ActiveSequence per spec (carrying ``tags[i]``); those already finished (a
+        stop token first, or ``max_tokens`` 1) hold no row any more.
         """
         self.check(specs)
         if not self.fits(specs):
@@ -196,7 +198,7 @@ class PagedGenerator:
                 uniforms[i, : spec.max_tokens] = torch.rand(
                     spec.max_tokens, generator=_generator(spec.seed)
                 )
-            seq = ActiveSequence(spec, SequenceOutput(), row, blocks, tag)
+            seq = ActiveSequence(spec, SequenceOutput(), row, blocks, tags[i] if tags else None)
             self.rows[row] = seq
             seqs.append(seq)
         st, device = self.state, self.device
@@ -338,6 +340,12 @@ class PagedGenerator:
         st.block_tables.index_fill_(0, holes, SCRATCH_BLOCK)
         st.positions.index_fill_(0, holes, 0)
         st.slot_ids.index_fill_(0, holes, -1)
+
+    def reset(self) -> None:
+        """Drop every sequence (after a failed step), giving back all rows and blocks."""
+        held = self.active
+        if held:
+            self._release(held)
 
     # --- everything at once -------------------------------------------------------------------
 
