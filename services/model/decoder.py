@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from services.model import triton_kernels
 from services.model.lora import MultiLoRA
-from services.model.paged_kv import PagedKVCache, paged_attention_reference
+from services.model.paged_kv import PagedKVCache, paged_attention_reference, reference_layout
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE = ("default", "llama3", "linear", "yarn")
@@ -132,6 +132,8 @@ class PagedDecoder:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         rows = cache.rows(block_tables, positions)
         lengths = positions + 1
+        if not self.triton_attention:
+            read_rows, bias = reference_layout(block_tables, lengths, cache.block_size, num_pages)
         context = self.lora.context if self.lora is not None else None
         if context is not None:
             context.set_gather_slots(slot_ids)
@@ -147,9 +149,8 @@ class PagedDecoder:
                     )  # fmt: skip
                 else:
                     o = paged_attention_reference(
-                        q, cache.keys[i], cache.values[i], block_tables, lengths,
-                        self.scaling, cache.block_size, num_pages,
-                    )  # fmt: skip
+                        q, cache.keys[i], cache.values[i], read_rows, bias, self.scaling
+                    )
                 h = h + attn.o_proj(o.reshape(o.shape[0], -1))
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
         finally:

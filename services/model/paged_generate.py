@@ -171,6 +171,7 @@ class PagedGenerator:
 
     # --- joining ----------------------------------------------------------------------------
 
+    @torch.inference_mode()
     def add(
         self, specs: Sequence[SequenceSpec], tags: Sequence[Any] | None = None
     ) -> list[ActiveSequence]:
@@ -237,6 +238,7 @@ class PagedGenerator:
 
     # --- decoding ---------------------------------------------------------------------------
 
+    @torch.inference_mode()
     def step(self) -> list[ActiveSequence]:
         """Decode one token for every active sequence; returns those that finished."""
         span = max((r + 1 for r, seq in enumerate(self.rows) if seq is not None), default=0)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 SCRATCH_BLOCK = 0
 
@@ -94,35 +95,44 @@ class PagedKVCache:
         self.values[layer].index_copy_(0, rows, values.to(self.values.dtype))
 
 
+def reference_layout(
+    block_tables: torch.Tensor, lengths: torch.Tensor, block_size: int, num_pages: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`paged_attention_reference` reads, computed once per step for every layer:
+    the cache rows of each row's first ``num_pages`` blocks ([B, L]; all of its table when
+    None, the shape a captured step needs) and an additive mask [B, 1, 1, L] (0 up to the row's
+    length, -inf past it)."""
+    batch = block_tables.shape[0]
+    pages = block_tables.shape[1] if num_pages is None else num_pages
+    offsets = torch.arange(block_size, device=block_tables.device)
+    rows = block_tables[:, :pages].to(torch.long).unsqueeze(2) * block_size + offsets
+    rows = rows.reshape(batch, pages * block_size)
+    visible = torch.arange(rows.shape[1], device=rows.device) < lengths.unsqueeze(1)
+    bias = torch.zeros(visible.shape, dtype=torch.float32, device=rows.device)
+    bias = bias.masked_fill(~visible, float("-inf"))
+    return rows, bias[:, None, None, :]
+
+
 def paged_attention_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    lengths: torch.Tensor,
+    rows: torch.Tensor,
+    bias: torch.Tensor,
     scaling: float,
-    block_size: int,
-    num_pages: int | None = None,
 ) -> torch.Tensor:
-    """Attention of one query per row ([B, Hq, D]) over its first ``lengths[b]`` cached rows.
-
-    Gathers the first ``num_pages`` blocks of every row (all of its table when None: the shape a
-    captured step needs) into [B, pages * block_size, Hkv, D] and masks what lies past the row's
-    length. As Hugging Face's eager attention: scores and softmax in float32, the weights cast to
-    the values' dtype before they multiply them. Returns [B, Hq, D].
-    """
-    batch, num_heads, head_dim = q.shape
-    num_kv = k_cache.shape[1]
-    pages = block_tables.shape[1] if num_pages is None else num_pages
-    offsets = torch.arange(block_size, device=q.device)
-    rows = block_tables[:, :pages].to(torch.long).unsqueeze(2) * block_size + offsets
-    rows = rows.reshape(batch, pages * block_size)
-    keys = k_cache[rows]  # [B, L, Hkv, D]
-    values = v_cache[rows]
-    q_grouped = q.view(batch, num_kv, num_heads // num_kv, head_dim)
-    scores = torch.einsum("bhgd,blhd->bhgl", q_grouped.float(), keys.float()) * scaling
-    visible = torch.arange(rows.shape[1], device=q.device) < lengths.unsqueeze(1)
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    weights = torch.softmax(scores, dim=-1).to(v_cache.dtype)
-    out = torch.einsum("bhgl,blhd->bhgd", weights, values)
-    return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+    """Attention of one query per row ([B, Hq, D]) over the cache rows ``rows`` [B, L], masked
+    by ``bias`` (see :func:`reference_layout`): the gathered keys and values through torch's
+    scaled-dot-product attention, as Hugging Face's default attention computes it. Returns
+    [B, Hq, D]."""
+    keys = k_cache[rows].transpose(1, 2)  # [B, Hkv, L, D]
+    values = v_cache[rows].transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),
+        keys,
+        values,
+        attn_mask=bias.to(q.dtype),
+        scale=scaling,
+        enable_gqa=q.shape[1] != k_cache.shape[1],
+    )
+    return out.squeeze(2)

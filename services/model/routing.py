@@ -77,6 +77,7 @@ class AdapterContext:
         self._alphas = [float(max_rank)] * n_adapters
         self._slot_ids: torch.Tensor | None = None
         self._cache: tuple[tuple[object, ...], Route | None] | None = None
+        self._gather_mask: torch.Tensor | None = None
         self.gather_slots: torch.Tensor | None = None
         """Slot of every token ([T], on the activations' device) while the layers add their
         deltas by gather (lora_gather.py); None: they route by ``slot_ids``."""
@@ -137,6 +138,19 @@ class AdapterContext:
         tensor of ids in -1..n-1, checked by whoever built it, so no host synchronisation), or
         back to routing with None."""
         self.gather_slots = token_slots
+        self._gather_mask = None
+
+    def gather_mask(self, rank: int, dtype: torch.dtype) -> torch.Tensor:
+        """The gather path's slot mask [T, n * rank] (lora_gather.slot_mask), built once per
+        forward and shared by its layers."""
+        from services.model.lora_gather import slot_mask
+
+        assert self.gather_slots is not None
+        mask = self._gather_mask
+        if mask is None or mask.dtype != dtype or mask.shape[1] != self.n_adapters * rank:
+            mask = slot_mask(self.gather_slots, self.n_adapters, rank, dtype)
+            self._gather_mask = mask
+        return mask
 
     # --- routing -------------------------------------------------------------------------------
 

@@ -30,11 +30,14 @@ import torch
 def usable(device: torch.device) -> bool:
     """Whether the kernels can run on tensors of ``device``: triton is installed and the device
     is a GPU, or the interpreter is on (``TRITON_INTERPRET=1``) for CPU tensors."""
-    if importlib.util.find_spec("triton") is None:
-        return False
     if device.type == "cuda":
-        return True
-    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+        return _installed()
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1" and _installed()
+
+
+@cache
+def _installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def _next_pow2(n: int) -> int:
@@ -68,7 +71,7 @@ def _kernels() -> Any:
         tl.store(h_ptr + t * stride_h + r, tl.where(valid, acc, 0.0))
 
     @triton.jit
-    def expand(h_ptr, b_ptr, slot_ptr, out_ptr, n_out, stride_h, stride_bs, stride_bo, stride_o,
+    def expand(h_ptr, b_ptr, slot_ptr, out_ptr, n_out, stride_h, stride_bs, stride_br, stride_o,
                R: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
         t = tl.program_id(0)
         nb = tl.program_id(1)
@@ -80,7 +83,7 @@ def _kernels() -> Any:
         nm = n < n_out
         hv = tl.load(h_ptr + t * stride_h + r)
         bv = tl.load(
-            b_ptr + s * stride_bs + n[:, None] * stride_bo + r[None, :],
+            b_ptr + s * stride_bs + r[None, :] * stride_br + n[:, None],
             mask=nm[:, None],
             other=0.0,
         ).to(tl.float32)
@@ -168,7 +171,7 @@ def lora_expand(
     block_n = min(128, _next_pow2(n_out))
     grid = (tokens, (n_out + block_n - 1) // block_n)
     expand[grid](h, b_all, slots, out, n_out, h.stride(0), b_all.stride(0), b_all.stride(1),
-                 out.stride(0), R=b_all.shape[2], BLOCK_N=block_n)  # fmt: skip
+                 out.stride(0), R=b_all.shape[1], BLOCK_N=block_n)  # fmt: skip
 
 
 def attention_fits(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
