@@ -145,3 +145,20 @@ async def test_a_job_whose_slot_moved_on_is_handed_back(engine: TorchEngine) -> 
 async def test_rank_above_the_maximum_is_refused(engine: TorchEngine) -> None:
     with pytest.raises(ValueError, match="max-lora-rank 16"):
         engine.add_run(2, "run_big", 16, 16.0)
+
+
+async def test_a_job_joins_a_running_batch_and_leaves_before_it_ends(engine: TorchEngine) -> None:
+    engine.eos_ids = []
+    long_job = _job("run_a", 0, max_tokens=200, temperature=0.0, prompts=[[1, 10]], n=1)
+    running = asyncio.create_task(engine.generate(long_job))
+    while engine.num_batches == 0 or not engine._queue.empty():
+        await asyncio.sleep(0.005)
+    batches = engine.num_batches
+    short = await engine.generate(_job("run_b", 1, max_tokens=5, seed=4))
+    # It was served by the batch already running (no new batch), and came back while the long
+    # job still decoded: it joined between two decode steps and left as soon as it finished.
+    assert engine.num_batches == batches
+    assert not running.done()
+    assert [len(c.token_ids) for group in short.completions for c in group] == [5] * 4
+    assert len((await running).completions[0][0].token_ids) == 200
+    assert engine.generator is not None and not engine.generator.active
