@@ -52,6 +52,7 @@ from torch import nn
 
 from schemas.config import DEFAULT_TARGET_MODULES
 from services.model import lora_gather
+from services.model.lora_segments import SegmentLoRA
 from services.model.peft_io import peft_adapter_config
 from services.model.routing import NO_ADAPTER, AdapterContext, Route
 from services.model.targets import SUPPORTED_LAYERS, find_targets, is_conv1d, lora_dims
@@ -192,14 +193,15 @@ class MultiLoRALinear(nn.Module):
         x_rows = x.reshape(-1, self.in_features)
         if route.perm is not None:
             x_rows = x_rows.index_select(0, route.perm)
-        a = torch.stack([self.lora_A[s] for s in route.slots]).to(x.dtype)
-        b = torch.stack([self.lora_B[s] for s in route.slots]) * route.scales.view(-1, 1, 1)
-        b = b.to(x.dtype)
         dims = (self.in_features, self.out_features, self.max_rank)
-        if _grouped_mm_fits(x, dims, self.adapter_context.kernel):
-            delta = self._grouped(x_rows, a, b, route)
+        grouped = _grouped_mm_fits(x, dims, self.adapter_context.kernel)
+        if grouped:
+            weights = [self.lora_A[s] for s in route.slots] + [self.lora_B[s] for s in route.slots]
+            delta = SegmentLoRA.apply(x_rows, route.offs, route.scale_rows(x.dtype), *weights)
         else:
-            delta = self._padded(x_rows, a, b, route)
+            a = torch.stack([self.lora_A[s] for s in route.slots]).to(x.dtype)
+            b = torch.stack([self.lora_B[s] for s in route.slots]) * route.scales.view(-1, 1, 1)
+            delta = self._padded(x_rows, a, b.to(x.dtype), route)
         # Out of place. Adding into the base output in place would save no memory (a linear
         # layer keeps its input for backward, not its output, and the base output is freed
         # right after the sum), but autograd routes the gradient of an in-place update of a
@@ -211,12 +213,8 @@ class MultiLoRALinear(nn.Module):
         else:
             summed = out_rows.index_add(0, route.perm, delta.to(out.dtype))
         summed = summed.view(out.shape)
-        return _ContiguousGrad.apply(summed) if summed.requires_grad else summed
-
-    @staticmethod
-    def _grouped(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, route: Route) -> torch.Tensor:
-        h = torch._grouped_mm(x, a.transpose(1, 2), offs=route.offs)
-        return torch._grouped_mm(h, b.transpose(1, 2), offs=route.offs)
+        # SegmentLoRA makes its gradient contiguous itself; the padded path's bmm needs it done.
+        return _ContiguousGrad.apply(summed) if summed.requires_grad and not grouped else summed
 
     @staticmethod
     def _padded(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, route: Route) -> torch.Tensor:
