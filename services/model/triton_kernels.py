@@ -14,7 +14,8 @@ for any mix of runs and lengths.
   KV head, every query head of the group at once, online softmax over blocks).
 
 The kernels are compiled on first use, so importing this module costs nothing and works without
-triton. ``TRITON_INTERPRET=1`` runs them on the CPU (the tests do); see :func:`usable`.
+triton. On a CPU they run only through Triton's interpreter, and only where asked for: see
+:func:`usable`.
 """
 
 from __future__ import annotations
@@ -28,11 +29,18 @@ import torch
 
 
 def usable(device: torch.device) -> bool:
-    """Whether the kernels can run on tensors of ``device``: triton is installed and the device
-    is a GPU, or the interpreter is on (``TRITON_INTERPRET=1``) for CPU tensors."""
+    """Whether plexrl runs the kernels on tensors of ``device``: on a GPU when triton is
+    installed; on a CPU when ``PLEXRL_TRITON_CPU=1`` asks for Triton's interpreter, which
+    ``TRITON_INTERPRET=1`` must have chosen before triton was first imported (it decides how
+    triton builds its own functions; transformers imports triton early)."""
     if device.type == "cuda":
         return _installed()
-    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1" and _installed()
+    return (
+        device.type == "cpu"
+        and os.environ.get("PLEXRL_TRITON_CPU") == "1"
+        and os.environ.get("TRITON_INTERPRET") == "1"
+        and _installed()
+    )
 
 
 @cache

@@ -1,9 +1,11 @@
 """The decode path's Triton kernels against the torch references, on the CPU through Triton's
-interpreter (``TRITON_INTERPRET=1``), so CI checks them without a GPU."""
+interpreter (``TRITON_INTERPRET=1``, set by tests/conftest.py before triton is imported), so CI
+checks them without a GPU."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,20 +16,26 @@ from services.model import triton_kernels
 from services.model.lora_gather import StackedSlots, gathered_delta
 from services.model.paged_kv import PagedKVCache, paged_attention_reference, reference_layout
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None,
-    reason="triton is not installed (the dev extra installs it: bash scripts/bootstrap.sh)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("triton") is None,
+        reason="triton is not installed (the dev extra installs it: bash scripts/bootstrap.sh)",
+    ),
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") != "1",
+        reason="a CUDA device is present: the kernels are tested compiled (pytest -m gpu)",
+    ),
+]
 
 
 @pytest.fixture
 def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("PLEXRL_TRITON_CPU", "1")
     assert triton_kernels.usable(torch.device("cpu"))
 
 
-def test_without_the_interpreter_a_cpu_takes_the_torch_path(monkeypatch) -> None:
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+def test_unless_asked_for_a_cpu_takes_the_torch_path(monkeypatch) -> None:
+    monkeypatch.delenv("PLEXRL_TRITON_CPU", raising=False)
     assert not triton_kernels.usable(torch.device("cpu"))
 
 
@@ -101,7 +109,7 @@ def test_generation_through_the_kernels_equals_the_torch_path(
     kernels = PagedGenerator(model, lora, eos_ids=[], max_seqs=4, cache_tokens=128)
     assert kernels.decoder.triton_attention
     got = kernels.generate(specs)
-    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.delenv("PLEXRL_TRITON_CPU")
     torch_path = PagedGenerator(model, lora, eos_ids=[], max_seqs=4, cache_tokens=128)
     assert not torch_path.decoder.triton_attention
     for a, b in zip(got, torch_path.generate(specs), strict=True):
