@@ -10,8 +10,8 @@ The worker thread runs :meth:`ContinuousLoop.serve` while there is work. Each tu
    busy until the last part is in, so every completion of a job comes from one policy version;
 3. decodes one token for every row, and completes each job whose last sequence finished.
 
-It returns when nothing is left, or when a full-weights install asks it to drain (admits
-nothing more, finishes what runs, and leaves the waiting jobs for the next turn).
+It returns when nothing is left, or when a full-weights install asks it to drain (starts no
+new job, finishes what runs, and leaves the waiting jobs for the next turn).
 """
 
 from __future__ import annotations
@@ -118,8 +118,8 @@ class ContinuousLoop:
         try:
             while True:
                 self.bank.apply_staged(self._busy())
-                if not self.drain.is_set():
-                    self._admit()
+                # Draining, a half-admitted job still gets the rest of its sequences in.
+                self._admit(start_new=not self.drain.is_set())
                 if not gen.active:
                     if self._partial is None and (self.drain.is_set() or not self.inbox):
                         return
@@ -136,12 +136,12 @@ class ContinuousLoop:
             for admitted in failed.values():
                 self.resolve(admitted.waiting.future, exc)
 
-    def _admit(self) -> None:
+    def _admit(self, start_new: bool) -> None:
         gen = self.generator
         while True:
             admitted = self._partial
             if admitted is None:
-                if not self.inbox:
+                if not start_new or not self.inbox:
                     return
                 waiting = self.inbox[0]
                 if waiting.future.done():

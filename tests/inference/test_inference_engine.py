@@ -162,3 +162,40 @@ async def test_a_job_joins_a_running_batch_and_leaves_before_it_ends(engine: Tor
     assert [len(c.token_ids) for group in short.completions for c in group] == [5] * 4
     assert len((await running).completions[0][0].token_ids) == 200
     assert engine.generator is not None and not engine.generator.active
+
+
+async def test_a_job_bigger_than_the_batch_joins_part_by_part_on_one_version(
+    tiny_dir: Path, scratch_lora
+) -> None:
+    _, lora = scratch_lora
+    engine = TorchEngine(
+        tiny_dir, max_runs=2, max_lora_rank=8, target_modules=LORA_TARGETS, max_num_seqs=3
+    )
+    await engine.start()
+    try:
+        engine.eos_ids = []
+        engine.add_run(0, "run_a", 4, 8.0)
+        job = _job("run_a", 0, max_tokens=30, prompts=[[1, 10], [1, 20, 21]], n=4)
+        running = asyncio.create_task(engine.generate(job))
+        while engine.generator is None or not engine.generator.active:
+            await asyncio.sleep(0.002)
+        # A new version of the job's slot, announced while only part of the job is in: it must
+        # wait for the whole job, which is served by version 0 alone.
+        assert await engine.load_adapter(
+            0, _event("run_a", 0, 1), random_adapter(lora, 0, 4, 8.0, 7)
+        )
+        result = await running
+        assert result.policy_version == 0
+        assert [[len(c.token_ids) for c in group] for group in result.completions] == [[30] * 4] * 2
+        # The same sequences generated alone on the scratch model's version 0 (a fresh slot is
+        # the base model): completion j of prompt i used seed (request seed, i, j).
+        spec = SequenceSpec([1, 20, 21], slot=-1, max_tokens=30, seed=sequence_seed(1, 1, 3))
+        (ref,) = generate_batch(*scratch_lora, [spec], eos_ids=[], pad_id=engine.pad_id)
+        assert result.completions[1][3].token_ids == ref.token_ids
+        for _ in range(200):
+            if _loaded_version(engine, 0) == 1:
+                break
+            await asyncio.sleep(0.005)
+        assert _loaded_version(engine, 0) == 1
+    finally:
+        await engine.close()
