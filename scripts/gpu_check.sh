@@ -29,7 +29,20 @@ WHEELS=${GPU_WHEELS_DIR:-.whl}
 if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
   if ! "$PY" -m pip install --quiet --no-index --no-deps --target .gpu-site "$WHEELS"/*.whl \
       >"$OUT/wheels.log" 2>&1; then
-    echo "installing $WHEELS failed: see $OUT/wheels.log" >&2
+    # No pip: a wheel is a zip of what lands in site-packages (scripts under *.data/scripts).
+    echo "pip install failed (see $OUT/wheels.log); unpacking the wheels instead" >&2
+    "$PY" - "$WHEELS" <<'UNPACK' >>"$OUT/wheels.log" 2>&1
+import pathlib, stat, sys, zipfile
+site = pathlib.Path(".gpu-site")
+(site / "bin").mkdir(parents=True, exist_ok=True)
+for wheel in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(site)
+for script in site.glob("*.data/scripts/*"):
+    target = site / "bin" / script.name
+    script.replace(target)
+    target.chmod(target.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+UNPACK
   fi
 fi
 export PYTHONPATH="$PWD:$PWD/.gpu-site${PYTHONPATH:+:$PYTHONPATH}"
