@@ -24,6 +24,12 @@ projection. Samples: 8 runs x 4 sequences x 128 tokens (32 prompt + 96 completio
     shape (hidden 256, 4 layers, MLP 768; a mixture of experts: 4 experts, 2 per token, each
     384 wide), LoRA on the family's default targets. ``--families-only`` skips (a) to (c).
 
+(e) model shapes, with ``--shape`` (bench/shapes.py: ``tiny``, ``llama-1b``, ``llama-8b``,
+    ``qwen2.5-0.5b``, random weights from the config, no download): (a) and (b) alone, on that
+    model, at the shape's two batches (:data:`SHAPE_BATCHES`: a large one and 8 runs x 1 x 128
+    tokens, where per-pass overheads count); ``--rows-per-run`` overrides the large batch's rows
+    (a GPU with less memory). The three models share one copy of the base weights.
+
 In (c) every run's batch holds 16 samples of 128 tokens. Each timing is the median of
 ``--repeats`` after a warm-up, the functions compared taking turns in every round so that a
 machine shared with other work slows them alike. CPU by default, ``--device cuda`` on a GPU.
@@ -38,25 +44,22 @@ therefore sit near 1x once a run's share of the batch is large; they grow as it 
     .venv/bin/python bench/trainer.py [--repeats 5] [--threads N] [--steps 6] [--device cuda]
         [--dtype bfloat16]
         [--families all [--families-only]]
+    .venv/bin/python bench/trainer.py --shape llama-1b --device cuda --dtype bfloat16
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import multiprocessing as mp
-import os
-import resource
 import statistics
 import time
-import zlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from shapes import NAMES as SHAPE_NAMES
+from shapes import build_model
 
-from schemas.config import orch_config_from_dict
-from schemas.events import RolloutBatch, Sample
 from services.model.families import FAMILIES, FamilyShape, tiny_family_model
 from services.model.host import tune_allocator
 from services.model.lora import DEFAULT_TARGET_MODULES, MultiLoRA, MultiLoRALinear
@@ -76,6 +79,16 @@ RUNS, ROWS_PER_RUN, PROMPT, COMPLETION, RANK = 8, 4, 32, 96, 16
 SEQ = PROMPT + COMPLETION
 
 
+SHAPE_BATCHES = {
+    "tiny": ((4, 128, 32), (1, 64, 16)),
+    "llama-1b": ((4, 512, 128), (1, 128, 32)),
+    "llama-8b": ((2, 512, 128), (1, 128, 32)),
+    "qwen2.5-0.5b": ((4, 512, 128), (1, 128, 32)),
+}
+"""(rows per run, tokens per row, prompt tokens) of (e)'s two batches, 8 runs each"""
+
+SHAPE: str | None = None
+"""``--shape``: the model (a)-(b) run on instead of the built-in one."""
 DEVICE = torch.device("cpu")
 """Where (a), (b) and (c) run; ``--device cuda`` measures on a GPU."""
 DTYPE = torch.float32
@@ -85,6 +98,8 @@ DTYPE = torch.float32
 def base_model() -> Any:
     from transformers import LlamaForCausalLM
 
+    if SHAPE is not None:
+        return build_model(SHAPE, DEVICE, DTYPE)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model: Any = LlamaForCausalLM(tiny_config(SPEC))
@@ -127,12 +142,13 @@ Row = tuple[str, str, float, str]
 
 def bench_forward_backward(repeats: int, rows_per_run: int, seq: int, prompt: int) -> list[Row]:
     gen = torch.Generator().manual_seed(0)
-    vocab = tiny_config(SPEC).vocab_size
+    multi = base_model()
+    vocab = multi.config.vocab_size
     ids = torch.randint(4, vocab, (RUNS * rows_per_run, seq), generator=gen).to(DEVICE)
     # rows grouped by run, as the trainer's executor orders each micro-batch
     slots = torch.arange(RUNS).repeat_interleave(rows_per_run).to(DEVICE)
-
-    multi = base_model()
+    # PEFT and the bare model share these weights: one copy of an 8B model, not three
+    weights = multi.state_dict(keep_vars=True)
     lora = MultiLoRA.attach(multi, n_adapters=RUNS, max_rank=RANK)
     for s in range(RUNS):
         lora.reset_slot(s, RANK, 2.0 * RANK, seed=s)
@@ -149,7 +165,7 @@ def bench_forward_backward(repeats: int, rows_per_run: int, seq: int, prompt: in
             for p in lora.slot_parameters(s):
                 p.grad = None
 
-    peft_model = _peft_model(lora)
+    peft_model = _peft_model(lora, sharing(multi, weights))
 
     def peft_step() -> None:
         for s in range(RUNS):
@@ -159,7 +175,7 @@ def bench_forward_backward(repeats: int, rows_per_run: int, seq: int, prompt: in
             token_mean_loss(logits, ids[rows], prompt).backward()
         peft_model.zero_grad(set_to_none=True)
 
-    bare = base_model().requires_grad_(False)
+    bare = sharing(multi, weights).requires_grad_(False)
     embed = bare.get_input_embeddings()
 
     def bare_step() -> None:
@@ -251,8 +267,25 @@ def bench_layer(repeats: int) -> list[Row]:
     ]
 
 
-def _peft_model(lora: MultiLoRA) -> Any:
-    """The same base weights under PEFT, with the same 8 adapters loaded by name."""
+def sharing(source: Any, weights: dict[str, torch.Tensor]) -> Any:
+    """A second model of ``source``'s architecture holding the very tensors of ``weights`` (its
+    state dict before LoRA was attached): no copy. Buffers outside the state dict (the rotary
+    frequencies) are taken from ``source``."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model: Any = AutoModelForCausalLM.from_config(source.config, dtype=DTYPE)
+    model.load_state_dict(weights, assign=True)
+    sources = dict(source.named_buffers())
+    for name, buffer in list(model.named_buffers()):
+        if buffer.is_meta:
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner).register_buffer(leaf, sources[name], persistent=False)
+    return model.eval()
+
+
+def _peft_model(lora: MultiLoRA, base: Any) -> Any:
+    """``base`` (the same weights) under PEFT, with the same 8 adapters loaded by name."""
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 
     config = LoraConfig(
@@ -262,7 +295,7 @@ def _peft_model(lora: MultiLoRA) -> Any:
         lora_dropout=0.0,
         init_lora_weights=False,
     )
-    model = get_peft_model(base_model(), config, adapter_name="run0")
+    model = get_peft_model(base, config, adapter_name="run0")
     for s in range(RUNS):
         if s:
             model.add_adapter(f"run{s}", config)
@@ -297,135 +330,6 @@ def _layer_times(repeats: int) -> tuple[float, float]:
     return t["multi"], t["plain"]
 
 
-# --- (c) one trainer with 4 runs vs 4 single-run trainers -----------------------------------------
-
-
-def _batch(run_id: str, step: int, vocab: int) -> RolloutBatch:
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{run_id}/{step}".encode()))
-    samples = []
-    for _ in range(16):
-        ids = torch.randint(4, vocab, (SEQ,), generator=gen).tolist()
-        samples.append(
-            Sample(
-                prompt_ids=ids[:PROMPT],
-                completion_ids=ids[PROMPT:],
-                completion_logprobs=[-4.4] * COMPLETION,
-                reward=1.0,
-                advantage=float(torch.randn(1, generator=gen)),
-            )
-        )
-    return RolloutBatch(run_id=run_id, step=step, policy_version=step, samples=samples)
-
-
-def trainer_worker(
-    run_ids: list[str], steps: int, threads: int, device: str, dtype: str, queue: Any
-) -> None:
-    """One trainer process: its runs, ``steps`` steps each, all runs of a step trained together."""
-    global DEVICE, DTYPE
-    DEVICE = torch.device(device)
-    DTYPE = getattr(torch, dtype)
-    tune_allocator()
-    torch.set_num_threads(threads)
-    from services.trainer.state import create_run_state
-    from services.trainer.step import StepExecutor
-
-    model = base_model()
-    lora = MultiLoRA.attach(model, n_adapters=len(run_ids), max_rank=RANK)
-    vocab = model.get_input_embeddings().num_embeddings
-    executor = StepExecutor(
-        model, lora, token_budget=8192, pad_id=0, vocab_size=vocab, device=DEVICE
-    )
-    config = orch_config_from_dict({"model": {"lora": {"rank": RANK, "alpha": 2.0 * RANK}}})
-    states = {i: create_run_state(lora, i, r, config, "") for i, r in enumerate(run_ids)}
-    batches = [[(i, _batch(r, s, vocab)) for i, r in enumerate(run_ids)] for s in range(steps + 1)]
-    executor.run(batches[0], states)  # warm-up step, not timed
-    _sync()
-    start = time.time()
-    for work in batches[1:]:
-        executor.run(work, states)
-    _sync()
-    end = time.time()
-    samples = steps * sum(len(b.samples) for _, b in batches[1])
-    if DEVICE.type == "cuda":
-        peak_mib = torch.cuda.max_memory_allocated(DEVICE) / 2**20
-    else:
-        peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    queue.put((start, end, samples, peak_mib))
-
-
-def bench_trainers(steps: int, threads: int) -> list[Row]:
-    ctx = mp.get_context("spawn")
-    runs = [f"run_{i}" for i in range(4)]
-
-    def launch(groups: list[list[str]], per_process_threads: int) -> tuple[float, float]:
-        queue = ctx.Queue()
-        procs = [
-            ctx.Process(
-                target=trainer_worker,
-                args=(
-                    g,
-                    steps,
-                    per_process_threads,
-                    str(DEVICE),
-                    str(DTYPE).removeprefix("torch."),
-                    queue,
-                ),
-            )
-            for g in groups
-        ]
-        for p in procs:
-            p.start()
-        results = [queue.get() for _ in procs]
-        for p in procs:
-            p.join()
-        start = min(r[0] for r in results)
-        end = max(r[1] for r in results)
-        return sum(r[2] for r in results) / (end - start), sum(r[3] for r in results)
-
-    shared_rate, shared_mem = launch([runs], threads)
-    single_rate, single_mem = launch([[r] for r in runs], threads)
-    memory = "peak GPU memory" if DEVICE.type == "cuda" else "peak RSS"
-    rows: list[Row] = [
-        (
-            f"(c) 4 runs in one trainer: samples/s, {threads} thread(s) per process",
-            f"{shared_rate:.1f}",
-            shared_rate / single_rate,
-            f"4 single-run trainers: {single_rate:.1f} samples/s; target >= 1.5x",
-        ),
-        (
-            f"(c) 4 runs in one trainer: {memory} (MiB)",
-            f"{shared_mem:.0f}",
-            shared_mem / single_mem,
-            f"4 single-run trainers: {single_mem:.0f} MiB in all; target <= 0.5x",
-        ),
-    ]
-    cores = _cores()
-    if DEVICE.type == "cpu" and cores > threads:
-        # Each side given the whole machine as well as it can use it: the one trainer every
-        # core, the four trainers a quarter of them each (at least one thread, never more
-        # threads than cores in all, which OpenMP punishes).
-        whole_rate, _ = launch([runs], cores)
-        quarter = max(1, cores // 4)
-        split_rate, _ = launch([[r] for r in runs], quarter)
-        rows.append(
-            (
-                f"(c) 4 runs in one trainer with {cores} threads: samples/s",
-                f"{whole_rate:.1f}",
-                whole_rate / split_rate,
-                f"4 single-run trainers with {quarter} thread(s) each: {split_rate:.1f} "
-                "samples/s; target >= 1.5x",
-            )
-        )
-    return rows
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -449,6 +353,12 @@ def main() -> None:
         help="(d): 'all' or a comma-separated list of " + ", ".join(FAMILIES) + " (default: none)",
     )
     parser.add_argument("--families-only", action="store_true", help="run (d) alone")
+    parser.add_argument(
+        "--shape", choices=SHAPE_NAMES, default=None, help="(e): (a) and (b) on this model alone"
+    )
+    parser.add_argument(
+        "--rows-per-run", type=int, default=0, help="(e): rows per run of the large batch"
+    )
     args = parser.parse_args()
     families = (
         list(FAMILIES) if args.families == "all" else [f for f in args.families.split(",") if f]
@@ -458,7 +368,8 @@ def main() -> None:
         parser.error(f"--families: unknown {unknown}; known: {', '.join(FAMILIES)} or 'all'")
     if args.families_only and not families:
         parser.error("--families-only needs --families")
-    global DEVICE, DTYPE
+    global DEVICE, DTYPE, SHAPE
+    SHAPE = args.shape
     DEVICE = torch.device(args.device)
     DTYPE = getattr(torch, args.dtype)
     if DEVICE.type == "cuda" and not torch.cuda.is_available():
@@ -466,21 +377,38 @@ def main() -> None:
     tune_allocator()
     torch.set_num_threads(args.threads)
     rows: list[Row] = []
+    if SHAPE is not None:
+        (large_rows, large_seq, large_prompt), small = SHAPE_BATCHES[SHAPE]
+        large_rows = args.rows_per_run or large_rows
+        rows += bench_forward_backward(args.repeats, large_rows, large_seq, large_prompt)
+        rows += bench_forward_backward(args.repeats, *small)
+        where = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "CPU"
+        print(f"\n{where}, {args.dtype}, torch {torch.__version__}; {SHAPE}, LoRA rank {RANK}\n")
+        _print(rows)
+        return
     if not args.families_only:
         rows += bench_forward_backward(args.repeats, ROWS_PER_RUN, SEQ, PROMPT)
         rows += bench_forward_backward(args.repeats, 1, 64, 16)
         rows += bench_layer(args.repeats)
-        rows += bench_trainers(args.steps, args.threads)
+        from trainer_processes import bench_trainers
+
+        rows += bench_trainers(args.steps, args.threads, DEVICE, DTYPE)
     rows += bench_families(args.repeats, families)
     where = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "CPU"
     print(
         f"\n{where}, {args.dtype}, {args.threads} threads, torch {torch.__version__}; model "
         f"hidden {SPEC.hidden_size}, {SPEC.num_hidden_layers} layers, LoRA rank {RANK}\n"
     )
+    _print(rows)
+
+
+def _print(rows: list[Row]) -> None:
     print("| measurement | value | ratio | baseline |")
     print("| --- | --- | --- | --- |")
     for name, shown, ratio, baseline in rows:
         print(f"| {name} | {shown} | {ratio:.2f}x | {baseline} |")
+    if DEVICE.type == "cuda":
+        print(f"\npeak GPU memory: {torch.cuda.max_memory_allocated(DEVICE) / 2**30:.1f} GiB")
 
 
 if __name__ == "__main__":

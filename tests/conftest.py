@@ -14,6 +14,11 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without a GPU, Triton runs in its interpreter, which must be chosen before anything (transformers
+# does) imports triton; plexrl's CPU work takes that path only where a test sets
+# PLEXRL_TRITON_CPU=1 (services/model/triton_kernels.py).
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from services.bus import Bus, EmbeddedNats
 

@@ -105,4 +105,7 @@ def build_engine(settings: Any) -> Any:
         dtype=settings.torch_dtype(),
         batch_window_ms=settings.batch_window_ms,
         max_batch_tokens=settings.max_batch_tokens,
+        max_num_seqs=settings.max_num_seqs,
+        paged=settings.paged,
+        cuda_graphs=settings.cuda_graphs,
     )

@@ -69,6 +69,20 @@ class InferenceSettings(BaseModel):
         description="largest generation one request may ask for: prompts x n x max_tokens; a "
         "bigger request is refused with an error saying so",
     )
+    max_num_seqs: int = Field(
+        256,
+        ge=1,
+        le=4096,
+        description="torch engine: sequences decoded at once (rows of the continuous batch)",
+    )
+    paged: bool = Field(
+        True,
+        description="torch engine: continuous batching over a paged KV cache for the families "
+        "it runs (Llama, Mistral, Qwen2, Qwen3); false: static batches for every model",
+    )
+    cuda_graphs: bool = Field(
+        True, description="torch engine on a GPU: replay each decode step as a CUDA graph"
+    )
     threads: int = Field(0, ge=0, le=1024, description="torch CPU threads; 0 keeps torch's default")
     device: str = Field("auto", description="'auto' (cuda when available), 'cpu', 'cuda', 'cuda:1'")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(

@@ -1,16 +1,18 @@
 """The ``torch`` engine: one base model with a multi-LoRA slot per run, on CPU or GPU.
 
-Requests of every run are batched together. Jobs queue on the event loop; a batch closes when
-the oldest job has waited ``batch_window_ms`` or when the next job would push the batch past
-``max_batch_tokens`` (prompt plus completion tokens, the KV cache it will need). A job is never
-split across batches, so all its completions come from one policy version. Jobs that arrive
-while a batch runs wait for the next one (no continuous batching: a static batch keeps the KV
-cache a plain Hugging Face ``DynamicCache``).
+Requests of every run are batched together. For the model families the paged decoder runs
+(services/model/decoder.py: Llama, Mistral, Qwen2, Qwen3) generation is continuous: the first
+job waits ``batch_window_ms`` for company, then the worker decodes while jobs join and leave
+between decode steps (continuous.py), over a paged KV cache of ``max_batch_tokens`` tokens and
+at most ``max_num_seqs`` sequences at once, each decode step a CUDA graph on a GPU. Every
+completion of a job comes from one policy version. Other families generate in static batches
+(services/model/sampling.py): a batch closes when the oldest job has waited ``batch_window_ms``
+or when the next job would push it past ``max_batch_tokens``, and later jobs wait for the next.
 
 All model work runs on one worker thread, so the event loop keeps receiving requests and
 weights while a batch generates. New adapters are staged on the loop and written into their
 slot by that thread at a generation-step boundary (adapters.py): immediately when idle, or
-between two decode steps of a running batch when no unfinished sequence uses the slot.
+between two decode steps when no unfinished sequence uses the slot.
 
 Full weights (``WeightsReady.kind == "full"``) go into the base model's own parameters, in place
 (no second copy of the model), between two batches: the install takes the lock each batch holds
@@ -24,7 +26,6 @@ are refused. A load that fails after writing part of the parameters leaves the r
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import threading
 import time
@@ -37,11 +38,13 @@ from typing import Any
 
 import torch
 
-from schemas.events import Completion, WeightsReady
+from schemas.events import WeightsReady
 from services.inference.adapters import AdapterBank, Applied
+from services.inference.continuous import ContinuousLoop, Waiting, job_result, job_specs
 from services.inference.jobs import InstalledFullWeights, Job, JobResult, LoadInto, SlotChanged
+from services.model.paged_generate import PagedGenerator
 from services.model.routing import NO_ADAPTER
-from services.model.sampling import SequenceSpec, eos_token_ids, generate_batch, sequence_seed
+from services.model.sampling import SequenceSpec, eos_token_ids, generate_batch
 from services.weights.errors import WeightsError
 
 log = logging.getLogger(__name__)
@@ -68,6 +71,9 @@ class TorchEngine:
         dtype: torch.dtype = torch.float32,
         batch_window_ms: float = 5.0,
         max_batch_tokens: int = 16384,
+        max_num_seqs: int = 256,
+        paged: bool = True,
+        cuda_graphs: bool = True,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.max_runs = max_runs
@@ -79,6 +85,13 @@ class TorchEngine:
         self.dtype = dtype
         self.batch_window = batch_window_ms / 1000.0
         self.max_batch_tokens = max_batch_tokens
+        self.max_num_seqs = max_num_seqs
+        self.paged = paged
+        self.cuda_graphs = cuda_graphs
+        self.generator: PagedGenerator | None = None
+        """The continuous-batching generator; None for a family it does not run."""
+        self.continuous: ContinuousLoop | None = None
+        self._serving = False
         self.applied: deque[Applied] = deque(maxlen=4096)
         """Every adapter written into a slot, newest last (for metrics and benchmarks)."""
         self.num_batches = 0
@@ -100,8 +113,18 @@ class TorchEngine:
         self.bank: AdapterBank | None = None
         self.vocab_size = 0
         self.max_model_len = 0
-        self.eos_ids: list[int] = []
+        self._eos_ids: list[int] = []
         self.pad_id = 0
+
+    @property
+    def eos_ids(self) -> list[int]:
+        return self._eos_ids
+
+    @eos_ids.setter
+    def eos_ids(self, ids: list[int]) -> None:
+        self._eos_ids = list(ids)
+        if self.generator is not None:
+            self.generator.eos = frozenset(self._eos_ids)
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -111,6 +134,7 @@ class TorchEngine:
         self._batcher = asyncio.create_task(self._batch_loop(), name="plexrl-batcher")
 
     def _load(self) -> None:
+        from services.model.decoder import unsupported_reason
         from services.model.loader import load_model
         from services.model.lora import MultiLoRA
 
@@ -128,16 +152,38 @@ class TorchEngine:
         self.eos_ids = eos_token_ids(model, tokenizer)
         pad = getattr(config, "pad_token_id", None)
         self.pad_id = int(pad if pad is not None else (self.eos_ids or [0])[0])
+        reason = (
+            unsupported_reason(model, min(self.max_model_len, self.max_batch_tokens))
+            if self.paged
+            else "anything (paged = false)"
+        )
+        if reason is not None:
+            log.info("generating in static batches: the paged decoder does not run %s", reason)
+            return
+        self.generator = PagedGenerator(
+            model,
+            self.lora,
+            eos_ids=self.eos_ids,
+            max_seqs=self.max_num_seqs,
+            cache_tokens=self.max_batch_tokens,
+            cuda_graphs=self.cuda_graphs and self.device.type == "cuda",
+        )
+        self.continuous = ContinuousLoop(
+            self.generator, self.bank, lambda: self.full_weights, self._resolve_threadsafe
+        )
 
     async def close(self) -> None:
         if self._batcher is not None:
             self._batcher.cancel()
             await asyncio.gather(self._batcher, return_exceptions=True)
             self._batcher = None
-        while not self._queue.empty():
-            item = self._queue.get_nowait()
-            if not item.future.done():
-                item.future.set_exception(RuntimeError("the inference engine is shutting down"))
+        waiting = [item.future for item in _drain_queue(self._queue)]
+        if self.continuous is not None:
+            waiting += [w.future for w in self.continuous.inbox]
+            self.continuous.inbox.clear()
+        for future in waiting:
+            if not future.done():
+                future.set_exception(RuntimeError("the inference engine is shutting down"))
         await asyncio.to_thread(self._executor.shutdown, wait=True)
 
     def set_listener(self, listener: Callable[[], None]) -> None:
@@ -196,7 +242,17 @@ class TorchEngine:
         return staged
 
     async def install_full(self, event: WeightsReady, load: LoadInto) -> bool:
-        # The lock waits for the running batch and keeps the next one from starting.
+        # The lock waits for the running batch and keeps the next one from starting; a
+        # continuous batch admits nothing more meanwhile, so it ends.
+        if self.continuous is not None:
+            self.continuous.drain.set()
+        try:
+            return await self._install_full(event, load)
+        finally:
+            if self.continuous is not None:
+                self.continuous.drain.clear()
+
+    async def _install_full(self, event: WeightsReady, load: LoadInto) -> bool:
         async with self._model_lock:
             held = self.full_weights
             if (
@@ -254,8 +310,37 @@ class TorchEngine:
 
     async def generate(self, job: Job) -> JobResult:
         future: asyncio.Future[JobResult] = asyncio.get_running_loop().create_future()
-        await self._queue.put(_Queued(job, future))
+        cont = self.continuous
+        if self._serving and cont is not None and not cont.drain.is_set():
+            cont.inbox.append(Waiting(job, future))  # joins between two decode steps
+        else:
+            await self._queue.put(_Queued(job, future))
         return await future
+
+    def _resolve_threadsafe(
+        self, future: asyncio.Future[JobResult], outcome: JobResult | BaseException
+    ) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(_settle, future, outcome)
+
+    async def _serve(self, live: list[_Queued]) -> None:
+        """Continuous batching: the worker generates until no job is left (continuous.py)."""
+        assert self._loop is not None and self.continuous is not None
+        cont = self.continuous
+        cont.inbox.extend(Waiting(q.job, q.future) for q in live)
+        while cont.inbox:
+            async with self._model_lock:
+                self.num_batches += 1
+                self._serving = True
+                try:
+                    await self._loop.run_in_executor(self._executor, self._serve_guarded)
+                finally:
+                    self._serving = False
+
+    def _serve_guarded(self) -> None:
+        assert self.continuous is not None
+        with self.write_guard:
+            self.continuous.serve()
 
     async def _batch_loop(self) -> None:
         assert self._loop is not None
@@ -283,6 +368,9 @@ class TorchEngine:
                 tokens += item.job.token_budget
             live = [q for q in batch if not q.future.done()]
             if not live:
+                continue
+            if self.continuous is not None:
+                await self._serve(live)
                 continue
             jobs = [q.job for q in live]
             try:
@@ -327,43 +415,40 @@ class TorchEngine:
                 continue
             outcomes.append(RuntimeError("not generated"))
             versions.append(version)
-            for i, prompt in enumerate(job.prompts):
-                for j in range(job.n):
-                    specs.append(
-                        SequenceSpec(
-                            prompt_ids=prompt,
-                            slot=slot,
-                            max_tokens=job.max_tokens,
-                            temperature=job.temperature,
-                            top_p=job.top_p,
-                            seed=sequence_seed(job.seed, i, j),
-                        )
-                    )
+            specs.extend(job_specs(job, slot))
         self.num_batches += 1
-        outputs = iter(
-            generate_batch(
-                self.model,
-                self.lora,
-                specs,
-                eos_ids=self.eos_ids,
-                pad_id=self.pad_id,
-                step_hook=bank.apply_staged,
-            )
+        outputs = generate_batch(
+            self.model,
+            self.lora,
+            specs,
+            eos_ids=self.eos_ids,
+            pad_id=self.pad_id,
+            step_hook=bank.apply_staged,
         )
+        start = 0
         for k, job in enumerate(jobs):
             if versions[k] < 0:
                 continue
-            completions = [
-                [
-                    Completion(
-                        token_ids=o.token_ids, logprobs=o.logprobs, finish_reason=o.finish_reason
-                    )
-                    for o in itertools.islice(outputs, job.n)
-                ]
-                for _ in job.prompts
-            ]
-            outcomes[k] = JobResult(policy_version=versions[k], completions=completions)
+            count = len(job.prompts) * job.n
+            outcomes[k] = job_result(job, versions[k], outputs[start : start + count])
+            start += count
         return outcomes
+
+
+def _settle(future: asyncio.Future[JobResult], outcome: JobResult | BaseException) -> None:
+    if future.done():
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
+
+
+def _drain_queue(queue: asyncio.Queue[_Queued]) -> list[_Queued]:
+    items = []
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
 
 
 def _log_failure(future: Any) -> None:

@@ -51,6 +51,8 @@ import torch
 from torch import nn
 
 from schemas.config import DEFAULT_TARGET_MODULES
+from services.model import lora_gather
+from services.model.lora_segments import SegmentLoRA
 from services.model.peft_io import peft_adapter_config
 from services.model.routing import NO_ADAPTER, AdapterContext, Route
 from services.model.targets import SUPPORTED_LAYERS, find_targets, is_conv1d, lora_dims
@@ -144,6 +146,8 @@ class MultiLoRALinear(nn.Module):
             nn.Parameter(torch.zeros(self.out_features, max_rank, device=device, dtype=dtype))
             for _ in range(n_adapters)
         )
+        self.stacked: lora_gather.StackedSlots | None = None
+        """The slots stacked for the gather path (lora_gather.py); None until stacked."""
 
     def extra_repr(self) -> str:
         return (
@@ -181,20 +185,23 @@ class MultiLoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base_layer(x)
+        if self.adapter_context.gather_slots is not None:
+            return lora_gather.add_gathered(out, x, self)
         route = self.adapter_context.route(x)
         if route is None:
             return out
         x_rows = x.reshape(-1, self.in_features)
         if route.perm is not None:
             x_rows = x_rows.index_select(0, route.perm)
-        a = torch.stack([self.lora_A[s] for s in route.slots]).to(x.dtype)
-        b = torch.stack([self.lora_B[s] for s in route.slots]) * route.scales.view(-1, 1, 1)
-        b = b.to(x.dtype)
         dims = (self.in_features, self.out_features, self.max_rank)
-        if _grouped_mm_fits(x, dims, self.adapter_context.kernel):
-            delta = self._grouped(x_rows, a, b, route)
+        grouped = _grouped_mm_fits(x, dims, self.adapter_context.kernel)
+        if grouped:
+            weights = [self.lora_A[s] for s in route.slots] + [self.lora_B[s] for s in route.slots]
+            delta = SegmentLoRA.apply(x_rows, route.offs, route.scale_rows(x.dtype), *weights)
         else:
-            delta = self._padded(x_rows, a, b, route)
+            a = torch.stack([self.lora_A[s] for s in route.slots]).to(x.dtype)
+            b = torch.stack([self.lora_B[s] for s in route.slots]) * route.scales.view(-1, 1, 1)
+            delta = self._padded(x_rows, a, b.to(x.dtype), route)
         # Out of place. Adding into the base output in place would save no memory (a linear
         # layer keeps its input for backward, not its output, and the base output is freed
         # right after the sum), but autograd routes the gradient of an in-place update of a
@@ -206,12 +213,8 @@ class MultiLoRALinear(nn.Module):
         else:
             summed = out_rows.index_add(0, route.perm, delta.to(out.dtype))
         summed = summed.view(out.shape)
-        return _ContiguousGrad.apply(summed) if summed.requires_grad else summed
-
-    @staticmethod
-    def _grouped(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, route: Route) -> torch.Tensor:
-        h = torch._grouped_mm(x, a.transpose(1, 2), offs=route.offs)
-        return torch._grouped_mm(h, b.transpose(1, 2), offs=route.offs)
+        # SegmentLoRA makes its gradient contiguous itself; the padded path's bmm needs it done.
+        return _ContiguousGrad.apply(summed) if summed.requires_grad and not grouped else summed
 
     @staticmethod
     def _padded(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, route: Route) -> torch.Tensor:
@@ -336,6 +339,7 @@ class MultiLoRA:
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         for layer in self.layers.values():
             layer.reset_slot(idx, rank, generator)
+        lora_gather.refresh_slots(self, [idx])
 
     def slot_named_parameters(self, idx: int) -> list[tuple[str, nn.Parameter]]:
         """Slot ``idx``'s parameters under their names in ``model.named_parameters()``."""
@@ -390,6 +394,11 @@ class MultiLoRA:
             layer.load_slot(
                 idx, state_dict[peft_key(name, "lora_A")], state_dict[peft_key(name, "lora_B")]
             )
+        lora_gather.refresh_slots(self, [idx])
+
+    def stack_slots(self) -> None:
+        """Keep stacked copies of every slot for the gather path (see lora_gather.py)."""
+        lora_gather.stack_slots(self)
 
 
 def _family_targets(model: nn.Module) -> tuple[str, ...]:

@@ -39,7 +39,9 @@ class Route:
     counts: list[int]
     offs: torch.Tensor
     scales: torch.Tensor
+    scale_values: list[float] = field(default_factory=list)
     _padded_rows: torch.Tensor | None = field(default=None, repr=False)
+    _scale_rows: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -48,6 +50,17 @@ class Route:
     @property
     def max_count(self) -> int:
         return max(self.counts)
+
+    def scale_rows(self, dtype: torch.dtype) -> torch.Tensor:
+        """Each sorted token's slot scale alpha / r, as [N, 1] (built once per route)."""
+        if self._scale_rows is None or self._scale_rows.dtype != dtype:
+            # Built on the host and sent in one copy, as offs and scales are: no device sync.
+            rows = torch.repeat_interleave(
+                torch.tensor(self.scale_values), torch.tensor(self.counts)
+            )
+            device = self.scales.device
+            self._scale_rows = rows.to(dtype).unsqueeze(1).to(device, non_blocking=True)
+        return self._scale_rows
 
     def padded_rows(self) -> torch.Tensor:
         """Row of each sorted token in a [num_slots * max_count] padded layout (for bmm)."""
@@ -77,6 +90,10 @@ class AdapterContext:
         self._alphas = [float(max_rank)] * n_adapters
         self._slot_ids: torch.Tensor | None = None
         self._cache: tuple[tuple[object, ...], Route | None] | None = None
+        self._gather_mask: torch.Tensor | None = None
+        self.gather_slots: torch.Tensor | None = None
+        """Slot of every token ([T], on the activations' device) while the layers add their
+        deltas by gather (lora_gather.py); None: they route by ``slot_ids``."""
 
     # --- per-slot configuration ----------------------------------------------------------------
 
@@ -129,6 +146,25 @@ class AdapterContext:
             )
         self._slot_ids = ids
 
+    def set_gather_slots(self, token_slots: torch.Tensor | None) -> None:
+        """Switch the layers to the gather path with this slot per token (trusted: a device
+        tensor of ids in -1..n-1, checked by whoever built it, so no host synchronisation), or
+        back to routing with None."""
+        self.gather_slots = token_slots
+        self._gather_mask = None
+
+    def gather_mask(self, rank: int, dtype: torch.dtype) -> torch.Tensor:
+        """The gather path's slot mask [T, n * rank] (lora_gather.slot_mask), built once per
+        forward and shared by its layers."""
+        from services.model.lora_gather import slot_mask
+
+        assert self.gather_slots is not None
+        mask = self._gather_mask
+        if mask is None or mask.dtype != dtype or mask.shape[1] != self.n_adapters * rank:
+            mask = slot_mask(self.gather_slots, self.n_adapters, rank, dtype)
+            self._gather_mask = mask
+        return mask
+
     # --- routing -------------------------------------------------------------------------------
 
     def route(self, x: torch.Tensor) -> Route | None:
@@ -171,11 +207,13 @@ class AdapterContext:
         device = token_slots.device
         perm = None if num_base == 0 and already_sorted else order[num_base:]
         offs = torch.tensor(list(itertools.accumulate(counts_used)), dtype=torch.int32)
-        scales = torch.tensor([self.scale(s) for s in slots], dtype=torch.float32)
+        values = [self.scale(s) for s in slots]
+        scales = torch.tensor(values, dtype=torch.float32)
         return Route(
             perm=perm,
             slots=slots,
             counts=counts_used,
             offs=offs.to(device, non_blocking=True),
             scales=scales.to(device, non_blocking=True),
+            scale_values=values,
         )

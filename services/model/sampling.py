@@ -64,23 +64,66 @@ def nucleus_logprobs(
 
     Rows with temperature 0 are scaled by 1 (their log q is only used for the argmax).
     """
-    scale_B = torch.where(temperature_B > 0, temperature_B, torch.ones_like(temperature_B))
-    logprobs_BV = torch.log_softmax(logits_BV.float() / scale_B.unsqueeze(1), dim=-1)
+    logprobs_BV = _scaled_logprobs(logits_BV, temperature_B)
     needs_nucleus = top_p_B < 1.0
     if not bool(needs_nucleus.any()):
         # Skipping the filter when p = 1 matters: a cumulative sum can round to 1.0 before the
         # last token and would cut a tail that log_softmax keeps.
         return logprobs_BV
     rows = needs_nucleus.nonzero().squeeze(1)
-    sub_BV = logprobs_BV.index_select(0, rows)
-    sorted_BV, order_BV = torch.sort(sub_BV, dim=-1, descending=True)
+    filtered_BV = _nucleus(logprobs_BV.index_select(0, rows), top_p_B.index_select(0, rows))
+    return logprobs_BV.index_copy(0, rows, filtered_BV)
+
+
+def _scaled_logprobs(logits_BV: torch.Tensor, temperature_B: torch.Tensor) -> torch.Tensor:
+    scale_B = torch.where(temperature_B > 0, temperature_B, torch.ones_like(temperature_B))
+    return torch.log_softmax(logits_BV.float() / scale_B.unsqueeze(1), dim=-1)
+
+
+def _nucleus(logprobs_BV: torch.Tensor, top_p_B: torch.Tensor) -> torch.Tensor:
+    sorted_BV, order_BV = torch.sort(logprobs_BV, dim=-1, descending=True)
     probs_BV = sorted_BV.exp()
     mass_before_BV = torch.cumsum(probs_BV, dim=-1) - probs_BV
-    drop_sorted_BV = mass_before_BV >= top_p_B.index_select(0, rows).unsqueeze(1)
+    drop_sorted_BV = mass_before_BV >= top_p_B.unsqueeze(1)
     drop_sorted_BV[:, 0] = False
     drop_BV = torch.zeros_like(drop_sorted_BV).scatter(1, order_BV, drop_sorted_BV)
-    filtered_BV = torch.log_softmax(sub_BV.masked_fill(drop_BV, float("-inf")), dim=-1)
-    return logprobs_BV.index_copy(0, rows, filtered_BV)
+    return torch.log_softmax(logprobs_BV.masked_fill(drop_BV, float("-inf")), dim=-1)
+
+
+def sample_with_uniforms(
+    logits_BV: torch.Tensor,
+    temperature_B: torch.Tensor,
+    top_p_B: torch.Tensor,
+    uniform_B: torch.Tensor,
+    *,
+    nucleus: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample_rows` on tensors alone: no host synchronisation, so a captured decode step
+    can run it. ``uniform_B`` holds each row's uniform number (drawn from its generator
+    beforehand); ``nucleus`` False promises every ``top_p`` is 1 (the filter is skipped, as
+    :func:`nucleus_logprobs` skips it), True filters the rows whose ``top_p`` is below 1."""
+    logprobs_BV = _scaled_logprobs(logits_BV, temperature_B)
+    if nucleus:
+        needs_B1 = (top_p_B < 1.0).unsqueeze(1)
+        logprobs_BV = torch.where(needs_B1, _nucleus(logprobs_BV, top_p_B), logprobs_BV)
+    return _draw(logprobs_BV, temperature_B <= GREEDY, uniform_B)
+
+
+def _draw(
+    logprobs_BV: torch.Tensor, greedy_B: torch.Tensor, uniform_B: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    vocab = logprobs_BV.shape[1]
+    cdf_BV = torch.cumsum(logprobs_BV.exp(), dim=-1)
+    # The first index whose cumulative probability exceeds u * total. Tokens outside the nucleus
+    # have zero width and can never be that index; the clamp and the fallback below only guard
+    # against u * total rounding up to the very last edge.
+    target_B = (uniform_B * cdf_BV[:, -1]).unsqueeze(1)
+    drawn_B = torch.searchsorted(cdf_BV, target_B, right=True).squeeze(1).clamp(max=vocab - 1)
+    argmax_B = logprobs_BV.argmax(dim=-1)
+    impossible_B = torch.isinf(logprobs_BV.gather(1, drawn_B.unsqueeze(1)).squeeze(1))
+    tokens_B = torch.where(greedy_B | impossible_B, argmax_B, drawn_B)
+    chosen_B = logprobs_BV.gather(1, tokens_B.unsqueeze(1)).squeeze(1)
+    return tokens_B, torch.where(greedy_B, torch.zeros_like(chosen_B), chosen_B)
 
 
 def sample_rows(
@@ -96,7 +139,7 @@ def sample_rows(
     transfer per step instead of one kernel per row, and a seed means the same draws on every
     device. Returns ``(tokens_B, logprobs_B)`` on the logits' device.
     """
-    num_rows, vocab = logits_BV.shape
+    num_rows = logits_BV.shape[0]
     if not len(temperatures) == len(top_ps) == len(generators) == num_rows:
         raise ValueError(
             f"{num_rows} rows of logits but {len(temperatures)} temperatures, {len(top_ps)} top-p "
@@ -106,23 +149,12 @@ def sample_rows(
     temperature_B = torch.tensor(temperatures, dtype=torch.float32, device=device)
     top_p_B = torch.tensor(top_ps, dtype=torch.float32, device=device)
     logprobs_BV = nucleus_logprobs(logits_BV, temperature_B, top_p_B)
-    greedy_B = temperature_B <= GREEDY
     uniforms = [
         float(torch.rand((), generator=gen)) if temp > GREEDY else 0.0
         for temp, gen in zip(temperatures, generators, strict=True)
     ]
     uniform_B = torch.tensor(uniforms, dtype=torch.float32).to(device, non_blocking=True)
-    cdf_BV = torch.cumsum(logprobs_BV.exp(), dim=-1)
-    # The first index whose cumulative probability exceeds u * total. Tokens outside the nucleus
-    # have zero width and can never be that index; the clamp and the fallback below only guard
-    # against u * total rounding up to the very last edge.
-    target_B = (uniform_B * cdf_BV[:, -1]).unsqueeze(1)
-    drawn_B = torch.searchsorted(cdf_BV, target_B, right=True).squeeze(1).clamp(max=vocab - 1)
-    argmax_B = logprobs_BV.argmax(dim=-1)
-    impossible_B = torch.isinf(logprobs_BV.gather(1, drawn_B.unsqueeze(1)).squeeze(1))
-    tokens_B = torch.where(greedy_B | impossible_B, argmax_B, drawn_B)
-    chosen_B = logprobs_BV.gather(1, tokens_B.unsqueeze(1)).squeeze(1)
-    return tokens_B, torch.where(greedy_B, torch.zeros_like(chosen_B), chosen_B)
+    return _draw(logprobs_BV, temperature_B <= GREEDY, uniform_B)
 
 
 def sequence_seed(request_seed: int, prompt_index: int, sample_index: int) -> int:

@@ -145,3 +145,57 @@ async def test_a_job_whose_slot_moved_on_is_handed_back(engine: TorchEngine) -> 
 async def test_rank_above_the_maximum_is_refused(engine: TorchEngine) -> None:
     with pytest.raises(ValueError, match="max-lora-rank 16"):
         engine.add_run(2, "run_big", 16, 16.0)
+
+
+async def test_a_job_joins_a_running_batch_and_leaves_before_it_ends(engine: TorchEngine) -> None:
+    engine.eos_ids = []
+    long_job = _job("run_a", 0, max_tokens=200, temperature=0.0, prompts=[[1, 10]], n=1)
+    running = asyncio.create_task(engine.generate(long_job))
+    while engine.num_batches == 0 or not engine._queue.empty():
+        await asyncio.sleep(0.005)
+    batches = engine.num_batches
+    short = await engine.generate(_job("run_b", 1, max_tokens=5, seed=4))
+    # It was served by the batch already running (no new batch), and came back while the long
+    # job still decoded: it joined between two decode steps and left as soon as it finished.
+    assert engine.num_batches == batches
+    assert not running.done()
+    assert [len(c.token_ids) for group in short.completions for c in group] == [5] * 4
+    assert len((await running).completions[0][0].token_ids) == 200
+    assert engine.generator is not None and not engine.generator.active
+
+
+async def test_a_job_bigger_than_the_batch_joins_part_by_part_on_one_version(
+    tiny_dir: Path, scratch_lora
+) -> None:
+    _, lora = scratch_lora
+    engine = TorchEngine(
+        tiny_dir, max_runs=2, max_lora_rank=8, target_modules=LORA_TARGETS, max_num_seqs=3
+    )
+    await engine.start()
+    try:
+        engine.eos_ids = []
+        engine.add_run(0, "run_a", 4, 8.0)
+        job = _job("run_a", 0, max_tokens=30, prompts=[[1, 10], [1, 20, 21]], n=4)
+        running = asyncio.create_task(engine.generate(job))
+        while engine.generator is None or not engine.generator.active:
+            await asyncio.sleep(0.002)
+        # A new version of the job's slot, announced while only part of the job is in: it must
+        # wait for the whole job, which is served by version 0 alone.
+        assert await engine.load_adapter(
+            0, _event("run_a", 0, 1), random_adapter(lora, 0, 4, 8.0, 7)
+        )
+        result = await running
+        assert result.policy_version == 0
+        assert [[len(c.token_ids) for c in group] for group in result.completions] == [[30] * 4] * 2
+        # The same sequences generated alone on the scratch model's version 0 (a fresh slot is
+        # the base model): completion j of prompt i used seed (request seed, i, j).
+        spec = SequenceSpec([1, 20, 21], slot=-1, max_tokens=30, seed=sequence_seed(1, 1, 3))
+        (ref,) = generate_batch(*scratch_lora, [spec], eos_ids=[], pad_id=engine.pad_id)
+        assert result.completions[1][3].token_ids == ref.token_ids
+        for _ in range(200):
+            if _loaded_version(engine, 0) == 1:
+                break
+            await asyncio.sleep(0.005)
+        assert _loaded_version(engine, 0) == 1
+    finally:
+        await engine.close()
