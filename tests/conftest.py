@@ -16,7 +16,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Without a GPU, Triton runs in its interpreter, which must be chosen before anything (transformers
 # does) imports triton; plexrl's CPU work takes that path only where a test sets
-# PLEXRL_TRITON_CPU=1 (services/model/triton_kernels.py).
+# services.model.triton_kernels.CPU_INTERPRETER.
 if not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -27,17 +27,21 @@ from typing import Any
 
 import torch
 
+CPU_INTERPRETER = False
+"""Run the kernels on the CPU through Triton's interpreter (the tests that check them there
+set it; nothing in a deployment does: the interpreter is far slower than the torch path)."""
+
 
 def usable(device: torch.device) -> bool:
     """Whether plexrl runs the kernels on tensors of ``device``: on a GPU when triton is
-    installed; on a CPU when ``PLEXRL_TRITON_CPU=1`` asks for Triton's interpreter, which
+    installed; on a CPU when :data:`CPU_INTERPRETER` asks for Triton's interpreter, which
     ``TRITON_INTERPRET=1`` must have chosen before triton was first imported (it decides how
     triton builds its own functions; transformers imports triton early)."""
     if device.type == "cuda":
         return _installed()
     return (
         device.type == "cpu"
-        and os.environ.get("PLEXRL_TRITON_CPU") == "1"
+        and CPU_INTERPRETER
         and os.environ.get("TRITON_INTERPRET") == "1"
         and _installed()
     )

@@ -30,12 +30,12 @@ pytestmark = [
 
 @pytest.fixture
 def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PLEXRL_TRITON_CPU", "1")
+    monkeypatch.setattr(triton_kernels, "CPU_INTERPRETER", True)
     assert triton_kernels.usable(torch.device("cpu"))
 
 
 def test_unless_asked_for_a_cpu_takes_the_torch_path(monkeypatch) -> None:
-    monkeypatch.delenv("PLEXRL_TRITON_CPU", raising=False)
+    monkeypatch.setattr(triton_kernels, "CPU_INTERPRETER", False)
     assert not triton_kernels.usable(torch.device("cpu"))
 
 
@@ -109,7 +109,7 @@ def test_generation_through_the_kernels_equals_the_torch_path(
     kernels = PagedGenerator(model, lora, eos_ids=[], max_seqs=4, cache_tokens=128)
     assert kernels.decoder.triton_attention
     got = kernels.generate(specs)
-    monkeypatch.delenv("PLEXRL_TRITON_CPU")
+    monkeypatch.setattr(triton_kernels, "CPU_INTERPRETER", False)
     torch_path = PagedGenerator(model, lora, eos_ids=[], max_seqs=4, cache_tokens=128)
     assert not torch_path.decoder.triton_attention
     for a, b in zip(got, torch_path.generate(specs), strict=True):
