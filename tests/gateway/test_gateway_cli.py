@@ -66,3 +66,23 @@ def test_a_taken_port_exits_2(stack) -> None:
     )
     assert done.returncode == 2, done.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
+
+
+def test_without_keys_it_refuses_to_listen_beyond_loopback_and_says_so_on_loopback(
+    stack,
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PLEXRL_")}
+    env |= {"PLEXRL_NATS_URL": stack.nats_url}
+    argv = [sys.executable, "-m", "services", "gateway", "--model", str(stack.model)]
+    done = subprocess.run(
+        [*argv, "--host", "0.0.0.0", "--port", str(free_port())],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "no tenants file" in done.stderr and "--allow-no-keys" in done.stderr
+    # the stack's own gateway, keyless on 127.0.0.1, said what it serves when it started
+    assert "serving tenant default without API keys on 127.0.0.1" in stack.log("gateway")
