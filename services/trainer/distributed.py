@@ -11,6 +11,11 @@ the *whole* step (every rank packs the whole step, so every rank knows ``N_k``).
 gradient is then its share of ``dL_k/dθ``, and the shares add up to exactly the gradient a single
 process would get. Dividing by the number of ranks would shrink every run's step.
 
+With ``sharding`` ``fsdp`` or ``hybrid`` the base model and the slots are sharded instead
+(:mod:`services.trainer.sharding`): the slots' gradients are then summed by FSDP's
+reduce-scatter, and since every forward and backward gathers parameters from every rank, the
+ranks make the same number of them (``lockstep``; see :mod:`services.trainer.step`).
+
 Gloo on CPU, NCCL on GPU. A single process uses :data:`SINGLE`, whose operations do nothing.
 """
 
@@ -24,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,8 @@ class Ranks:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    sharding: str = "dp"
+    """'dp', 'fsdp' or 'hybrid' (TrainerSettings.sharding)"""
 
     @property
     def is_main(self) -> bool:
@@ -41,6 +49,11 @@ class Ranks:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def lockstep(self) -> bool:
+        """Whether every forward and backward is a collective (the model is sharded)."""
+        return self.distributed and self.sharding != "dp"
 
     def broadcast_object(self, obj: Any) -> Any:
         """``obj`` from rank 0 on every rank (pickled; for work lists and checkpoints)."""
@@ -64,10 +77,12 @@ class Ranks:
         A parameter without a gradient on this rank (its run had no micro-batch here) takes part
         as zeros and comes back with the sum. ``extras`` (per-run loss sums and counts) travel in
         their own float64 buffer so that counts stay exact whatever the parameters' dtype.
+        A sharded parameter (a DTensor) is left out: FSDP summed its gradient already.
         Returns the summed ``extras``.
         """
         if not self.distributed:
             return extras
+        params = [p for p in params if not isinstance(p, DTensor)]
         if params:
             flat = torch.cat(
                 [
@@ -95,7 +110,7 @@ class Ranks:
 SINGLE = Ranks()
 
 
-def init_ranks(device: str) -> Ranks:
+def init_ranks(device: str, sharding: str = "dp") -> Ranks:
     """Join the process group ``torchrun`` describes in the environment, or run alone.
 
     ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` are the
@@ -112,7 +127,7 @@ def init_ranks(device: str) -> Ranks:
         dist.init_process_group(
             backend="nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size
         )
-    return Ranks(rank=rank, world_size=world_size, local_rank=local_rank)
+    return Ranks(rank=rank, world_size=world_size, local_rank=local_rank, sharding=sharding)
 
 
 def close_ranks(ranks: Ranks) -> None:

@@ -390,10 +390,11 @@ def build_publisher(settings: TrainerSettings, bus: Bus) -> WeightPublisher:
 
 
 def build_model(
-    settings: TrainerSettings, device: torch.device
+    settings: TrainerSettings, device: torch.device, ranks: Ranks = SINGLE
 ) -> tuple[Any, WeightSlots, int, int]:
     """``(model, slots, pad_id, vocab_size)``: the base model with ``max_runs`` adapter slots,
-    or, with ``full_weights``, with its own parameters as the one slot.
+    or, with ``full_weights``, with its own parameters as the one slot. On sharded ranks
+    (``ranks.lockstep``) the model and its slots are then sharded across them.
 
     ``vocab_size`` is the embedding's size, the bound the packer checks token ids against (a
     tokenizer may know fewer tokens, never more); the pad id comes from the tokenizer, else the
@@ -413,6 +414,12 @@ def build_model(
             max_rank=settings.max_lora_rank,
             target_modules=settings.target_modules,
         )
+        if ranks.lockstep:
+            from services.trainer.sharding import shard_model
+
+            slots = shard_model(
+                model, slots, ranks, device=device, shard_ranks=settings.shard_ranks
+            )
     vocab_size = int(model.get_input_embeddings().num_embeddings)
     pad_id = getattr(tokenizer, "pad_token_id", None)
     if pad_id is None:
@@ -423,7 +430,7 @@ def build_model(
 async def serve(settings: TrainerSettings, bus: Bus, stop: asyncio.Event, ranks: Ranks) -> None:
     """Load the model and train until ``stop``; what ``plexrl trainer`` runs once connected."""
     device = torch.device(f"cuda:{ranks.local_rank}" if settings.device == "cuda" else "cpu")
-    model, lora, pad_id, vocab_size = await asyncio.to_thread(build_model, settings, device)
+    model, lora, pad_id, vocab_size = await asyncio.to_thread(build_model, settings, device, ranks)
     trainer = Trainer(settings, bus, model, lora, pad_id=pad_id, vocab_size=vocab_size, ranks=ranks)
     what = (
         "the full weights, for one run,"
@@ -431,11 +438,12 @@ async def serve(settings: TrainerSettings, bus: Bus, stop: asyncio.Event, ranks:
         else f"{settings.max_runs} slots (max rank {settings.max_lora_rank})"
     )
     log.info(
-        "trainer: rank %d/%d training %s of %s on %s",
+        "trainer: rank %d/%d training %s of %s on %s%s",
         ranks.rank,
         ranks.world_size,
         what,
         settings.model,
         device,
+        f", {ranks.sharding}-sharded" if ranks.lockstep else "",
     )
     await trainer.run(stop)
