@@ -21,6 +21,7 @@ Gloo on CPU, NCCL on GPU. A single process uses :data:`SINGLE`, whose operations
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,18 @@ def init_ranks(device: str, sharding: str = "dp") -> Ranks:
         return SINGLE
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    if (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+    ):
+        # torchrun's agent then keeps one store for every restart, so a restarted group can read
+        # the addresses its predecessor published and wait for them forever
+        # (pytorch/pytorch#135712); with the variable set each restart gets a store of its own.
+        log.warning(
+            "trainer: torchrun may restart these ranks but shares one rendezvous store across "
+            "restarts, where a restarted group can hang in init_process_group; start torchrun "
+            "with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+        )
     if device == "cuda":
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
