@@ -394,7 +394,8 @@ def build_model(
 ) -> tuple[Any, WeightSlots, int, int]:
     """``(model, slots, pad_id, vocab_size)``: the base model with ``max_runs`` adapter slots,
     or, with ``full_weights``, with its own parameters as the one slot. On sharded ranks
-    (``ranks.lockstep``) the model and its slots are then sharded across them.
+    (``ranks.lockstep``) the model is loaded straight into its shards
+    (:mod:`services.trainer.sharded_load`).
 
     ``vocab_size`` is the embedding's size, the bound the packer checks token ids against (a
     tokenizer may know fewer tokens, never more); the pad id comes from the tokenizer, else the
@@ -402,9 +403,14 @@ def build_model(
     """
     from services.model.loader import load_model
 
+    slots: WeightSlots
+    if ranks.lockstep and not settings.full_weights:
+        from services.trainer.sharded_load import load_sharded
+
+        model, slots, tokenizer = load_sharded(settings, device, ranks)
+        return _with_ids(model, slots, tokenizer)
     dtype = torch.bfloat16 if settings.dtype == "bfloat16" else torch.float32
     model, tokenizer = load_model(settings.model, device=device, dtype=dtype)
-    slots: WeightSlots
     if settings.full_weights:
         slots = FullWeights.attach(model, settings.model)
     else:
@@ -414,12 +420,10 @@ def build_model(
             max_rank=settings.max_lora_rank,
             target_modules=settings.target_modules,
         )
-        if ranks.lockstep:
-            from services.trainer.sharding import shard_model
+    return _with_ids(model, slots, tokenizer)
 
-            slots = shard_model(
-                model, slots, ranks, device=device, shard_ranks=settings.shard_ranks
-            )
+
+def _with_ids(model: Any, slots: WeightSlots, tokenizer: Any) -> tuple[Any, WeightSlots, int, int]:
     vocab_size = int(model.get_input_embeddings().num_embeddings)
     pad_id = getattr(tokenizer, "pad_token_id", None)
     if pad_id is None:
