@@ -143,8 +143,11 @@ def rank_worker(rank: int, world: int, port: int, layout: str, args: Any, queue:
     executor.run(work[0], states)  # warm-up, not timed
     dist.barrier()
     start = time.perf_counter()
+    update_ns = 0
     for step in work[1:]:
-        executor.run(step, states)
+        report = executor.run(step, states)
+        begin, end = report.phases["optimizer"]
+        update_ns += end - begin
     dist.barrier()
     seconds = time.perf_counter() - start
 
@@ -178,6 +181,7 @@ def rank_worker(rank: int, world: int, port: int, layout: str, args: Any, queue:
             "loaded": loaded,
             "peak": peak,
             "samples_per_s": args.steps * args.runs * args.samples / seconds,
+            "update_share": update_ns / 1e9 / seconds,
         }
     )
     close_ranks(ranks)
@@ -284,6 +288,12 @@ def main() -> None:
         ref = min(r["samples_per_s"] for r in base) if base else 0
         cells.append(f"{rate:.1f}" + (f" ({rate / ref:.2f}x)" if ref else ""))
     print("| samples/s | " + " | ".join(cells) + " |")
+    shares = [f"{max(r['update_share'] for r in results[layout]):.0%}" for layout in layouts]
+    print(
+        "| share of step time in the update (all-reduce, AdamW, gathers) | "
+        + " | ".join(shares)
+        + " |"
+    )
 
 
 if __name__ == "__main__":

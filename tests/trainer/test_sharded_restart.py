@@ -20,7 +20,7 @@ from services.registry.settings import RegistrySettings
 from services.trainer.checkpoint import complete_checkpoints, load_checkpoint, read_step_log
 
 RUNS = ("run_a", "run_b")
-STEPS = 10
+STEPS = 20
 CONFIG = {"rank": 4, "alpha": 8.0, "lr": 1e-2, "eps": 1e-2, "interval": 1}
 
 
