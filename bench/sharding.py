@@ -17,9 +17,9 @@ fresh processes:
 
 Per rank: the bytes of base-model parameters it holds, of adapter state it holds (slot
 parameters and each run's AdamW moments), rank 0's host copy of every run's adapter and moments
-(what a sharded trainer publishes and checkpoints from), the memory taken once the model is
-loaded and the peak over the steps (on the CPU the resident size's growth from just before
-loading; on a GPU the memory allocated). Samples/s over
+(what a sharded trainer publishes and checkpoints from), and the peak memory over the steps (on
+the CPU the resident size's growth from just before loading; on a GPU the memory allocated, and
+also what is allocated once the model is loaded). Samples/s over
 ``--steps`` steps after one warm-up step. Ratios are against ``dp`` in the same invocation.
 
     .venv/bin/python bench/sharding.py [--ranks 2] [--steps 3] [--runs 8] [--samples 16]
@@ -271,9 +271,12 @@ def main() -> None:
         ("base-model parameters held", "base", max),
         ("adapter state held (slots + AdamW moments)", "slots", max),
         ("rank 0's host copy of adapters + moments", "host", max),
-        (f"{'GPU memory' if args.device == 'cuda' else 'RSS growth'} once loaded", "loaded", max),
         (f"{peak_name} (the largest rank)", "peak", max),
     ]
+    if args.device == "cuda":
+        # (on the CPU the resident size says little here: an ordinary load maps the weights
+        # file and pages it in only as it is read)
+        rows.insert(3, ("GPU memory once loaded", "loaded", max))
     for label, key, pick in rows:
         cells = []
         for layout in layouts:
