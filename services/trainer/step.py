@@ -21,8 +21,10 @@ run absent from the step, or refused, keeps its adapter and optimizer bit for bi
 On sharded ranks (``ranks.lockstep``) every forward and backward gathers or reduces across the
 ranks, so they must make the same ones: a rank with fewer micro-batches than the busiest makes a
 zero-loss pass for each one it lacks, every pass makes a reference forward when any run of the
-step has a KL penalty, and a pass whose losses are all refused still runs a zero backward. The executor
-does no I/O: the service decides what to publish, ack, checkpoint or evict from the report.
+step has a KL penalty, and a pass whose losses are all refused still runs a zero backward.
+
+The executor does no I/O: the service decides what to publish, ack, checkpoint or evict from the
+report.
 """
 
 from __future__ import annotations
