@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     if settings.device == "cuda" and not torch.cuda.is_available():
         return fail("trainer", "--device cuda, but torch sees no CUDA device")
     torch.set_num_threads(settings.num_threads)
-    ranks = init_ranks(settings.device)
+    ranks = init_ranks(settings.device, settings.sharding)
     try:
         return run_service(
             "trainer",

@@ -60,6 +60,7 @@ from services.telemetry.metrics import record_trainer_step
 from services.trainer.checkpoint import checkpoints_dir, load_checkpoint, save_checkpoint
 from services.trainer.command_inbox import Command, failure, wrong_tenant
 from services.trainer.distributed import SINGLE, Ranks
+from services.trainer.sharding import same_pass_grad_scale
 from services.trainer.slots import WeightSlots
 from services.trainer.state import RunSetupError, RunState, restore_checkpoint
 from services.trainer.supervised import CommandError, FbOutcome, check_request, forward_backward
@@ -182,6 +183,7 @@ class CommandRunner:
                 token_budget=self.token_budget,
                 pad_id=self.pad_id,
                 device=self.device,
+                grad_scale=same_pass_grad_scale(self.lora),
             )
             ended = time.time_ns()
             runs = sorted({s.run_id for _, s, _ in valid})

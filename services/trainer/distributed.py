@@ -11,11 +11,17 @@ the *whole* step (every rank packs the whole step, so every rank knows ``N_k``).
 gradient is then its share of ``dL_k/dθ``, and the shares add up to exactly the gradient a single
 process would get. Dividing by the number of ranks would shrink every run's step.
 
+With ``sharding`` ``fsdp`` or ``hybrid`` the base model and the slots are sharded instead
+(:mod:`services.trainer.sharding`): the slots' gradients are then summed by FSDP's
+reduce-scatter, and since every forward and backward gathers parameters from every rank, the
+ranks make the same number of them (``lockstep``; see :mod:`services.trainer.step`).
+
 Gloo on CPU, NCCL on GPU. A single process uses :data:`SINGLE`, whose operations do nothing.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,6 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -33,6 +42,8 @@ class Ranks:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    sharding: str = "dp"
+    """'dp', 'fsdp' or 'hybrid' (TrainerSettings.sharding)"""
 
     @property
     def is_main(self) -> bool:
@@ -41,6 +52,11 @@ class Ranks:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def lockstep(self) -> bool:
+        """Whether every forward and backward is a collective (the model is sharded)."""
+        return self.distributed and self.sharding != "dp"
 
     def broadcast_object(self, obj: Any) -> Any:
         """``obj`` from rank 0 on every rank (pickled; for work lists and checkpoints)."""
@@ -64,10 +80,12 @@ class Ranks:
         A parameter without a gradient on this rank (its run had no micro-batch here) takes part
         as zeros and comes back with the sum. ``extras`` (per-run loss sums and counts) travel in
         their own float64 buffer so that counts stay exact whatever the parameters' dtype.
+        A sharded parameter (a DTensor) is left out: FSDP summed its gradient already.
         Returns the summed ``extras``.
         """
         if not self.distributed:
             return extras
+        params = [p for p in params if not isinstance(p, DTensor)]
         if params:
             flat = torch.cat(
                 [
@@ -95,7 +113,7 @@ class Ranks:
 SINGLE = Ranks()
 
 
-def init_ranks(device: str) -> Ranks:
+def init_ranks(device: str, sharding: str = "dp") -> Ranks:
     """Join the process group ``torchrun`` describes in the environment, or run alone.
 
     ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` are the
@@ -106,13 +124,25 @@ def init_ranks(device: str) -> Ranks:
         return SINGLE
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    if (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+    ):
+        # torchrun's agent then keeps one store for every restart, so a restarted group can read
+        # the addresses its predecessor published and wait for them forever
+        # (pytorch/pytorch#135712); with the variable set each restart gets a store of its own.
+        log.warning(
+            "trainer: torchrun may restart these ranks but shares one rendezvous store across "
+            "restarts, where a restarted group can hang in init_process_group; start torchrun "
+            "with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+        )
     if device == "cuda":
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         dist.init_process_group(
             backend="nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size
         )
-    return Ranks(rank=rank, world_size=world_size, local_rank=local_rank)
+    return Ranks(rank=rank, world_size=world_size, local_rank=local_rank, sharding=sharding)
 
 
 def close_ranks(ranks: Ranks) -> None:

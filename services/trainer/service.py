@@ -390,10 +390,12 @@ def build_publisher(settings: TrainerSettings, bus: Bus) -> WeightPublisher:
 
 
 def build_model(
-    settings: TrainerSettings, device: torch.device
+    settings: TrainerSettings, device: torch.device, ranks: Ranks = SINGLE
 ) -> tuple[Any, WeightSlots, int, int]:
     """``(model, slots, pad_id, vocab_size)``: the base model with ``max_runs`` adapter slots,
-    or, with ``full_weights``, with its own parameters as the one slot.
+    or, with ``full_weights``, with its own parameters as the one slot. On sharded ranks
+    (``ranks.lockstep``) the model is loaded straight into its shards
+    (:mod:`services.trainer.sharded_load`).
 
     ``vocab_size`` is the embedding's size, the bound the packer checks token ids against (a
     tokenizer may know fewer tokens, never more); the pad id comes from the tokenizer, else the
@@ -401,9 +403,14 @@ def build_model(
     """
     from services.model.loader import load_model
 
+    slots: WeightSlots
+    if ranks.lockstep and not settings.full_weights:
+        from services.trainer.sharded_load import load_sharded
+
+        model, slots, tokenizer = load_sharded(settings, device, ranks)
+        return _with_ids(model, slots, tokenizer)
     dtype = torch.bfloat16 if settings.dtype == "bfloat16" else torch.float32
     model, tokenizer = load_model(settings.model, device=device, dtype=dtype)
-    slots: WeightSlots
     if settings.full_weights:
         slots = FullWeights.attach(model, settings.model)
     else:
@@ -413,6 +420,10 @@ def build_model(
             max_rank=settings.max_lora_rank,
             target_modules=settings.target_modules,
         )
+    return _with_ids(model, slots, tokenizer)
+
+
+def _with_ids(model: Any, slots: WeightSlots, tokenizer: Any) -> tuple[Any, WeightSlots, int, int]:
     vocab_size = int(model.get_input_embeddings().num_embeddings)
     pad_id = getattr(tokenizer, "pad_token_id", None)
     if pad_id is None:
@@ -423,7 +434,7 @@ def build_model(
 async def serve(settings: TrainerSettings, bus: Bus, stop: asyncio.Event, ranks: Ranks) -> None:
     """Load the model and train until ``stop``; what ``plexrl trainer`` runs once connected."""
     device = torch.device(f"cuda:{ranks.local_rank}" if settings.device == "cuda" else "cpu")
-    model, lora, pad_id, vocab_size = await asyncio.to_thread(build_model, settings, device)
+    model, lora, pad_id, vocab_size = await asyncio.to_thread(build_model, settings, device, ranks)
     trainer = Trainer(settings, bus, model, lora, pad_id=pad_id, vocab_size=vocab_size, ranks=ranks)
     what = (
         "the full weights, for one run,"
@@ -431,11 +442,12 @@ async def serve(settings: TrainerSettings, bus: Bus, stop: asyncio.Event, ranks:
         else f"{settings.max_runs} slots (max rank {settings.max_lora_rank})"
     )
     log.info(
-        "trainer: rank %d/%d training %s of %s on %s",
+        "trainer: rank %d/%d training %s of %s on %s%s",
         ranks.rank,
         ranks.world_size,
         what,
         settings.model,
         device,
+        f", {ranks.sharding}-sharded" if ranks.lockstep else "",
     )
     await trainer.run(stop)

@@ -112,6 +112,20 @@ class TrainerSettings(BaseModel):
     keep_weights: int = Field(
         3, ge=1, le=1000, description="adapter versions kept per run in the weight transport"
     )
+    sharding: Literal["dp", "fsdp", "hybrid"] = Field(
+        "dp",
+        description="how torchrun ranks hold the model: dp, every rank the whole base model and "
+        "every adapter slot; fsdp, the base model's layers and their slots sharded across all "
+        "ranks (FSDP2); hybrid, sharded within a group of shard_ranks ranks (a node) and "
+        "replicated across groups. A single process ignores it",
+    )
+    shard_ranks: int = Field(
+        0,
+        ge=0,
+        le=4096,
+        description="hybrid: ranks per shard group, a divisor of the world size; 0 takes "
+        "torchrun's LOCAL_WORLD_SIZE, the ranks of one node",
+    )
     device: Literal["cpu", "cuda"] = Field("cpu", description="where the model runs")
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="parameter and activation dtype"
@@ -153,12 +167,18 @@ class TrainerSettings(BaseModel):
         return [t for t in re.split(r"[,\s]+", v) if t] if isinstance(v, str) else v
 
     @model_validator(mode="after")
-    def _one_run_for_full_weights(self) -> TrainerSettings:
+    def _full_weights_fit(self) -> TrainerSettings:
         if self.full_weights and self.max_runs != 1:
             raise ValueError(
                 f"full_weights trains the model's own parameters for one run, so it needs "
                 f"max_runs = 1 (got {self.max_runs}); set --max-runs 1, and the registry's "
                 "max_runs to 1 as well"
+            )
+        if self.full_weights and self.sharding != "dp":
+            raise ValueError(
+                f"full_weights trains one run's whole model, which sharding = {self.sharding!r} "
+                "does not shard (only a LoRA trainer's base model and slots are sharded); use "
+                "sharding = 'dp', or train the run with LoRA"
             )
         return self
 

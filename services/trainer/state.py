@@ -9,7 +9,10 @@ loaded from it. The checkpoint alone decides where a run resumes: ``progress.ste
 number of optimizer steps taken, which is also the step of the next RolloutBatch the run needs.
 
 Each run's optimizer owns exactly its slot's parameters, and a slot takes part in a forward only
-when a row of that run is in the batch, so stepping one run never moves another.
+when a row of that run is in the batch, so stepping one run never moves another. On a sharded
+trainer those are the rank's shards and the optimizer a
+:class:`~services.trainer.sharding.ShardedAdamW`, whose state dict holds whole tensors on rank 0,
+so checkpoints are the same whatever trainer wrote them.
 
 A full-weight trainer (:class:`~services.model.full.FullWeights`) has one slot, the model's own
 parameters: its run starts from the base model's weights, its optimizer owns every parameter,
@@ -23,6 +26,7 @@ import logging
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -35,6 +39,7 @@ from services.model.lora import MultiLoRA
 from services.trainer.checkpoint import Checkpoint
 from services.trainer.loss import LossParams
 from services.trainer.schedule import build_lr_scheduler
+from services.trainer.sharding import ShardedLoRA
 from services.trainer.slots import WeightSlots
 
 log = logging.getLogger(__name__)
@@ -165,14 +170,17 @@ def create_run_state(
         # A full checkpoint overwrites every parameter, so putting the base weights back first
         # would read a whole model from disk for nothing.
         lora.reset_slot(idx, cfg.rank, cfg.alpha, seed=slot_seed(run_id, config.seed))
-    params = lora.slot_parameters(idx)
     optim = config.optim
-    optimizer = torch.optim.AdamW(
-        params,
-        lr=optim.lr,
-        betas=optim.betas,
-        eps=optim.eps,
-        weight_decay=optim.weight_decay,
+    adamw: dict[str, Any] = {
+        "lr": optim.lr,
+        "betas": optim.betas,
+        "eps": optim.eps,
+        "weight_decay": optim.weight_decay,
+    }
+    optimizer = (
+        lora.optimizer(idx, **adamw)
+        if isinstance(lora, ShardedLoRA)
+        else torch.optim.AdamW(lora.slot_parameters(idx), **adamw)
     )
     scheduler = build_lr_scheduler(optimizer, optim, config.max_steps)
     state = RunState(

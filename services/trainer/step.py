@@ -16,8 +16,15 @@ Given at most one RolloutBatch per run (``(slot, batch)`` pairs), a step
    scheduler advances.
 
 A run's optimizer therefore steps only when its whole batch has been through backward, and a
-run absent from the step, or refused, keeps its adapter and optimizer bit for bit. The executor
-does no I/O: the service decides what to publish, ack, checkpoint or evict from the report.
+run absent from the step, or refused, keeps its adapter and optimizer bit for bit.
+
+On sharded ranks (``ranks.lockstep``) every forward and backward gathers or reduces across the
+ranks, so they must make the same ones: a rank with fewer micro-batches than the busiest makes a
+zero-loss pass for each one it lacks, every pass makes a reference forward when any run of the
+step has a KL penalty, and a pass whose losses are all refused still runs a zero backward.
+
+The executor does no I/O: the service decides what to publish, ack, checkpoint or evict from the
+report.
 """
 
 from __future__ import annotations
@@ -125,8 +132,18 @@ class StepExecutor:
         ratio_max = torch.zeros(len(slots), dtype=torch.float64, device=self.device)
         row_of = {slot: i for i, slot in enumerate(slots)}
         mine = packed.micro_batches[self.ranks.rank :: self.ranks.world_size]
+        # Sharded, every forward and backward gathers from every rank: each rank makes as many
+        # as the busiest one, and a reference forward in each if any run of the step has one.
+        lockstep = self.ranks.lockstep
+        reference = lockstep and any(states[s].loss_params.kl_coef > 0 for s in slots)
         for mb in mine:
-            self._forward_backward(mb, denominators, states, extras, ratio_max, row_of)
+            self._forward_backward(
+                mb, denominators, states, extras, ratio_max, row_of, reference=reference
+            )
+        if lockstep and packed.micro_batches:
+            busiest = -(-len(packed.micro_batches) // self.ranks.world_size)
+            for _ in range(busiest - len(mine)):
+                self._idle_pass(packed.micro_batches[0], reference=reference)
         t_opt = time.time_ns()
 
         params = [p for slot in slots for p in self.lora.slot_parameters(slot)]
@@ -170,6 +187,8 @@ class StepExecutor:
         extras: Tensor,
         ratio_max: Tensor,
         row_of: Mapping[int, int],
+        *,
+        reference: bool = False,
     ) -> None:
         mb = _rows_by_slot(mb)
         dev = self.device
@@ -197,6 +216,8 @@ class StepExecutor:
                 ref_logprobs = torch.zeros_like(old_logprobs)
                 ref_logprobs[kl_rows] = _logprobs(ref_logits, targets[kl_rows], temps[kl_rows])
                 del ref_logits
+        elif reference:
+            self._reference_forward(input_ids[:1], attention[:1])
 
         with self.lora.use(slot_ids):
             logits = self.model(input_ids=input_ids, attention_mask=attention).logits
@@ -235,10 +256,28 @@ class StepExecutor:
                     extras[i, _RATIO] += s.ratio_sum
                     extras[i, _KL] += s.kl_sum
                     ratio_max[i] = max(float(ratio_max[i]), s.ratio_max)
-            if terms:
-                total = torch.stack(terms).sum()
-                if total.requires_grad:
-                    total.backward()
+            total = torch.stack(terms).sum() if terms else None
+            if total is not None and total.requires_grad:
+                total.backward()
+            elif self.ranks.lockstep:
+                _zero_backward(logprobs)
+
+    def _idle_pass(self, mb: MicroBatch, *, reference: bool) -> None:
+        """A forward and backward that changes no gradient (its loss is zero): what a rank with
+        fewer micro-batches than the others runs so that the sharded model's gathers and
+        reductions meet on every rank. One row of a micro-batch of the step, under its slot."""
+        input_ids = mb.input_ids_BT[:1].to(self.device)
+        attention = mb.attention_mask_BT[:1].to(self.device)
+        if reference:
+            self._reference_forward(input_ids, attention)
+        with self.lora.use(mb.slot_ids_B[:1].to(self.device)):
+            logits = self.model(input_ids=input_ids, attention_mask=attention).logits
+            _zero_backward(logits)
+
+    def _reference_forward(self, input_ids: Tensor, attention: Tensor) -> None:
+        """A base-model forward whose result is not needed, to keep a sharded step in step."""
+        with torch.no_grad(), self.lora.use(torch.full((len(input_ids),), NO_ADAPTER)):
+            self.model(input_ids=input_ids, attention_mask=attention)
 
     # --- the per-run update ------------------------------------------------------------------
 
@@ -328,6 +367,13 @@ def _logprobs(logits_BTV: Tensor, target_ids_BT: Tensor, temps_B: Tensor) -> Ten
         return selected_logprobs(logits_BTV, target_ids_BT, temperature=first)
     scaled = logits_BTV.float() / temps_B.view(-1, 1, 1)
     return selected_logprobs(scaled, target_ids_BT)
+
+
+def _zero_backward(t: Tensor) -> None:
+    """Backward of zero through ``t``'s graph: every sharded layer's gradient reduction runs,
+    adding nothing. (A non-finite value's rows would still send NaN to their own slot, whose
+    run is refused anyway; the rows are independent, so no other slot sees it.)"""
+    (t.float().nan_to_num(0.0, 0.0, 0.0) * 0.0).sum().backward()
 
 
 def _drop_grads(params: Sequence[torch.nn.Parameter]) -> None:

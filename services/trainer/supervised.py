@@ -145,12 +145,14 @@ def forward_backward(
     token_budget: int,
     pad_id: int,
     device: torch.device,
+    grad_scale: float = 1.0,
 ) -> list[FbOutcome]:
     """Run every ``(slot, request)`` of ``work`` through the model together; one outcome each.
 
     Requests must have passed :func:`check_request`. Rows are cut into micro-batches of at most
-    ``token_budget`` padded tokens (one row at least); a request's gradients are added to its
-    slot's ``.grad`` unless it is ``forward_only`` or its loss is not finite.
+    ``token_budget`` padded tokens (one row at least); a request's gradients, times
+    ``grad_scale``, are added to its slot's ``.grad`` unless it is ``forward_only`` or its loss
+    is not finite.
     """
     outcomes = [FbOutcome(runs_in_pass=len({slot for slot, _ in work})) for _ in work]
     rows = [
@@ -167,7 +169,7 @@ def forward_backward(
     for grad in (False, True):
         chosen = [r for r in rows if work[r.request][1].forward_only != grad]
         for batch in _micro_batches(chosen, token_budget):
-            _pass(model, lora, work, batch, outcomes, grad, pad_id, device)
+            _pass(model, lora, work, batch, outcomes, grad, pad_id, device, grad_scale)
     failed = {
         work[i][0]
         for i, outcome in enumerate(outcomes)
@@ -223,6 +225,7 @@ def _pass(
     grad: bool,
     pad_id: int,
     device: torch.device,
+    grad_scale: float,
 ) -> None:
     width = max(len(r.input_ids) for r in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -262,4 +265,5 @@ def _pass(
         if grad:
             good = [t for t in terms if bool(torch.isfinite(t))]
             if good:
-                torch.stack(good).sum().backward()
+                total = torch.stack(good).sum()
+                (total if grad_scale == 1.0 else total * grad_scale).backward()

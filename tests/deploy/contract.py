@@ -47,6 +47,9 @@ OTEL_ENV = frozenset(
     }
 )
 
+# Read by torchrun, which starts the trainer's ranks (deploy/k8s/trainer.yaml).
+TORCHRUN_ENV = frozenset({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE"})
+
 # Image names (without tag) whose containers run plexrl.
 PLEXRL_IMAGES = frozenset({"plexrl", "plexrl-gpu"})
 
@@ -78,7 +81,8 @@ def env_read_by(command: str) -> frozenset[str]:
     fields = settings_class(command).model_fields
     own = {env_name(name) for name in fields}
     health = set(healthcheck_module().ENV_VARS)
-    return frozenset(own | COMMON_PLEXRL_ENV | METRICS_ENV | OTEL_ENV | health)
+    torchrun = TORCHRUN_ENV if command == "trainer" else frozenset()
+    return frozenset(own | COMMON_PLEXRL_ENV | METRICS_ENV | OTEL_ENV | health | torchrun)
 
 
 def image_name(image: str) -> str:

@@ -51,7 +51,7 @@ def test_readme_table_lists_every_variable_the_services_read() -> None:
     documented = set()
     for row in rows:
         first_cell = row.split("|")[1]
-        documented |= set(re.findall(r"`((?:PLEXRL|OTEL)_[A-Z_]+)`", first_cell))
+        documented |= set(re.findall(r"`((?:PLEXRL|OTEL|TORCH)_[A-Z_]+)`", first_cell))
     read = set().union(*(env_read_by(command) for command in SETTINGS_BY_COMMAND))
     assert documented == read, {
         "read but not documented": read - documented,

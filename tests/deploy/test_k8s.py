@@ -268,6 +268,13 @@ def test_trainer_runs_under_torchrun_with_one_node_per_pod(
     env = _container_env(docs, container)
     assert env["PLEXRL_DEVICE"] == "cuda"
     assert image_name(container["image"]) == "plexrl-gpu"
+    # the ranks of every pod shard the base model; hybrid's shard groups are whole nodes
+    settings = load_settings(settings_class("trainer"), None, {}, environ=env)
+    assert settings.sharding in ("fsdp", "hybrid")
+    if settings.sharding == "hybrid":
+        per_node = int(flags["nproc-per-node"])
+        world = int(flags["nnodes"]) * per_node
+        assert world % (settings.shard_ranks or per_node) == 0
 
 
 def test_inference_is_a_scalable_deployment(docs: list[tuple[str, dict[str, Any]]]) -> None:
