@@ -44,6 +44,7 @@ a draw only when the uniform lands within ~1e-7 of a bucket edge).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Collection, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -225,6 +226,18 @@ def left_pad(
 
 
 @torch.inference_mode()
+def cache_keyword(model: Any) -> str:
+    """The keyword a model's forward takes its KV cache by, and names it in its output:
+    ``cache`` in current transformers, ``past_key_values`` before (still accepted there, with a
+    deprecation warning on every call)."""
+    forward = getattr(model, "forward", model)
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
 def generate_batch(
     model: Any,
     lora: MultiLoRA | None,
@@ -258,6 +271,7 @@ def generate_batch(
     next_position_B = torch.tensor([len(s.prompt_ids) for s in specs], device=device)
     slot_ids_B = torch.tensor([s.slot for s in specs], dtype=torch.long, device=device)
     cache = DynamicCache()
+    cache_kw = cache_keyword(model)
     first_step = True
     while active:
         if step_hook is not None and not first_step:
@@ -267,11 +281,11 @@ def generate_batch(
                 input_ids=input_ids_BL,
                 attention_mask=mask_BL,
                 position_ids=position_ids_BL,
-                past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
+                **{cache_kw: cache},
             )
-        cache = out.past_key_values  # the same DynamicCache, grown, for Hugging Face models
+        cache = getattr(out, cache_kw)  # the same DynamicCache, grown, for Hugging Face models
         first_step = False
         tokens_B, logprobs_B = sample_rows(
             out.logits[:, -1, :],

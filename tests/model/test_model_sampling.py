@@ -167,3 +167,19 @@ def test_sequence_seeds_are_distinct_and_stable() -> None:
 def test_empty_prompt_is_refused(model_lora) -> None:
     with pytest.raises(ValueError, match="at least one token"):
         _generate(model_lora, [SequenceSpec([], slot=0, max_tokens=2)])
+
+
+def test_sampling_speaks_the_models_cache_keyword_and_warns_nothing(
+    model_lora: tuple[Any, MultiLoRA], capfd: pytest.CaptureFixture[str]
+) -> None:
+    """``plexrl up``'s warm start samples with this: a deprecated keyword would print a warning
+    above the user's table on every fresh machine."""
+    import warnings
+
+    capfd.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        outputs = _generate(model_lora, [SequenceSpec(PROMPTS[0], slot=0, max_tokens=4, seed=1)])
+    assert len(outputs[0].token_ids) >= 1
+    printed = capfd.readouterr()
+    assert "deprecated" not in printed.out + printed.err
