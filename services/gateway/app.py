@@ -25,8 +25,15 @@ import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from services.gateway.backend import Backend, GatewayError
+from services.gateway.connections import (
+    ConnectionGuard,
+    connection_cap,
+    guarded_protocol,
+    quiet_accept_errors,
+)
 from services.gateway.futures import Futures, Outcome
 from services.gateway.observe import observe
 from services.gateway.settings import GatewaySettings
@@ -134,8 +141,17 @@ async def authenticate(
             gateway.tenancy.end(tenant)
 
 
+class ClientGone(GatewayError):
+    """The client closed its connection before its request's body arrived: nobody to answer,
+    and nothing wrong with the gateway (logged at debug level only)."""
+
+    def __init__(self) -> None:
+        super().__init__(499, "the client disconnected", "client_closed_request")
+
+
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 past ``limit`` bytes (checked as it arrives)."""
+    """The request body, refused with 413 past ``limit`` bytes (checked as it arrives) and with
+    408 when it has not all arrived within ``body_timeout_s``."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise GatewayError(
@@ -143,11 +159,23 @@ async def read_body(request: Request, limit: int) -> bytes:
         )
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise GatewayError(413, f"request body is over the limit of {limit} bytes", "too_large")
-        chunks.append(chunk)
+    wait = request.app.state.gateway.settings.body_timeout_s
+    try:
+        async with asyncio.timeout(wait):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise GatewayError(
+                        413, f"request body is over the limit of {limit} bytes", "too_large"
+                    )
+                chunks.append(chunk)
+    except ClientDisconnect:
+        log.debug("gateway: %s %s: the client left mid-body", request.method, request.url.path)
+        raise ClientGone() from None
+    except TimeoutError:
+        raise GatewayError(
+            408, f"the request body did not arrive within {wait:g}s", "request_timeout"
+        ) from None
     return b"".join(chunks)
 
 
@@ -280,11 +308,17 @@ async def serve_http(app: FastAPI, settings: GatewaySettings, stop: asyncio.Even
             "another --port or --host"
         ) from exc
     host, port = sock.getsockname()[:2]
+    guard = ConnectionGuard(connection_cap(settings.max_connections), settings.header_timeout_s)
+    app.state.connections = guard
+    quiet_accept_errors()
     config = uvicorn.Config(
         app,
+        http=guarded_protocol(guard),
         log_level="warning",
         lifespan="off",
         timeout_graceful_shutdown=10,
+        timeout_keep_alive=int(max(1, settings.keep_alive_s)),
+        backlog=min(2048, guard.max_connections),
         access_log=False,
     )
     server = _Server(config)

@@ -66,6 +66,25 @@ class GatewaySettings(BaseModel):
         description="requests and Tinker futures one API key may have under way at once; more "
         "are answered 429",
     )
+    max_connections: int = Field(
+        1024,
+        ge=16,
+        le=1_000_000,
+        description="open HTTP connections at once; more are closed as they arrive (kept below "
+        "the process's file limit)",
+    )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=600,
+        description="a connection that sends no request head this long is closed",
+    )
+    body_timeout_s: float = Field(
+        60.0, gt=0, le=3600, description="a request body not received in this long is a 408"
+    )
+    keep_alive_s: float = Field(
+        5.0, gt=0, le=600, description="an idle keep-alive connection is closed after this long"
+    )
     tenants_file: Path | None = Field(
         None,
         description="the tenants file (plexrl tenants add writes it): with it every request "
