@@ -65,15 +65,17 @@ class OptimConfig(_Strict):
     """AdamW and its schedule, per run."""
 
     lr: float = Field(1e-3, gt=0, le=1.0, description="peak learning rate")
-    weight_decay: float = Field(0.0, ge=0, le=1.0)
+    weight_decay: float = Field(0.0, ge=0, le=1.0, description="AdamW's decoupled weight decay")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
-    eps: float = Field(1e-8, gt=0, le=1e-2)
+    eps: float = Field(1e-8, gt=0, le=1e-2, description="AdamW's epsilon")
     max_grad_norm: float = Field(1.0, gt=0, le=1e6, description="per-run gradient clipping")
     warmup_steps: int = Field(0, ge=0, le=1_000_000, description="linear warm-up from 0 to lr")
     schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="decay after warm-up, to min_lr_ratio * lr at max_steps"
     )
-    min_lr_ratio: float = Field(0.0, ge=0, le=1.0)
+    min_lr_ratio: float = Field(
+        0.0, ge=0, le=1.0, description="where the decay ends, as a fraction of lr"
+    )
 
     @field_validator("betas")
     @classmethod
@@ -261,8 +263,13 @@ class OrchConfig(_Strict):
         "(forward_backward, optim_step... on plexrl.train.*; the Tinker gateway) whose "
         "requests carry the data and the optimizer settings",
     )
-    seed: int = Field(0, ge=0, le=2**31 - 1)
-    max_steps: int = Field(200, ge=1, le=10_000_000)
+    seed: int = Field(
+        0,
+        ge=0,
+        le=2**31 - 1,
+        description="seeds the prompt order, the adapter's initialisation and the sampling",
+    )
+    max_steps: int = Field(200, ge=1, le=10_000_000, description="optimizer steps of the run")
     batch_size: int = Field(8, ge=1, le=4096, description="prompts per step")
     group_size: int = Field(8, ge=1, le=1024, description="completions per prompt")
     max_async_level: int = Field(

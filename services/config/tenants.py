@@ -42,7 +42,9 @@ class TenantQuota(BaseModel):
 
     max_runs: int | None = Field(None, ge=0, le=4096, description="active runs at once")
     max_waiting: int | None = Field(None, ge=0, le=1_000_000, description="waiting runs")
-    max_lora_rank: int | None = Field(None, ge=1, le=1024)
+    max_lora_rank: int | None = Field(
+        None, ge=1, le=1024, description="largest LoRA rank a run may ask for"
+    )
     max_samples_per_step: int | None = Field(
         None, ge=1, le=10_000_000, description="batch_size * group_size of one step"
     )
