@@ -61,7 +61,7 @@ def test_the_full_example_sets_every_key_away_from_its_default() -> None:
     def leaves(d: dict[str, object], prefix: str = "") -> dict[str, object]:
         out: dict[str, object] = {}
         for k, v in d.items():
-            if isinstance(v, dict) and k != "env_args":
+            if isinstance(v, dict) and k not in ("env_args", "labels"):
                 out.update(leaves(v, f"{prefix}{k}."))
             else:
                 out[prefix + k] = v
