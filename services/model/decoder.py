@@ -165,9 +165,12 @@ class PagedDecoder:
         prompts: list[list[int]],
         block_tables: torch.Tensor,
         slot_ids: list[int],
+        every_position: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Logits [n, V] of each prompt's last token; writes every prompt token's keys and values
-        into the blocks of ``block_tables`` [n, max_blocks]."""
+        into the blocks of ``block_tables`` [n, max_blocks]. The logits of every position [len,
+        V] of the prompts whose index is a key of ``every_position`` are put there (their
+        scores: services/model/scoring.py)."""
         cache = self.cache
         device = block_tables.device
         n, width = len(prompts), max(len(p) for p in prompts)
@@ -199,5 +202,8 @@ class PagedDecoder:
                 )
                 h = h + attn.o_proj(o.transpose(1, 2).reshape(n, width, -1))
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
+        if every_position is not None:
+            for i in list(every_position):
+                every_position[i] = self.lm_head(self.norm(h[i, : len(prompts[i])]))
         last = h[torch.arange(n, device=device), lengths - 1]
         return self.lm_head(self.norm(last))
