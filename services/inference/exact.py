@@ -20,37 +20,15 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from nats.js.errors import NotFoundError
-
-from schemas import subjects as sj
-from schemas.codec import DecodeError, decode
 from schemas.events import GenerateRequest, WeightsReady
 from services.bus import Bus
 from services.inference.jobs import Engine
 from services.inference.requests import RequestFailed
+from services.weights.announcements import announced
 from services.weights.loader import WeightsError
 
 Load = Callable[[WeightsReady, str], Awaitable[dict[str, Any]]]
 """``load(event, tenant)``: the adapter tensors an announcement names (the weights follower's)"""
-
-
-async def announced(bus: Bus, run_id: str, version: int, tenant: str) -> WeightsReady | None:
-    """The WeightsReady of ``run_id`` at ``version`` still on the weights stream, or None."""
-    subject = sj.tenant_weights_subject(run_id, tenant)
-    seq = 1
-    while True:
-        try:
-            raw = await bus.js.get_msg(sj.WEIGHTS_STREAM, seq=seq, subject=subject, next=True)
-        except NotFoundError:
-            return None
-        event: WeightsReady | None
-        try:
-            event = decode(raw.data or b"", WeightsReady, (raw.headers or {}).get("Content-Type"))
-        except DecodeError:
-            event = None
-        if event is not None and event.run_id == run_id and event.step == version:
-            return event
-        seq = (raw.seq or seq) + 1
 
 
 class ExactVersions:
@@ -84,18 +62,18 @@ class ExactVersions:
         event = await announced(self.bus, run_id, version, owner)
         if event is None:
             raise RequestFailed(
-                f"{run_id}@{version} is not available: this replica holds no snapshot of it (its "
-                "snapshots hold more recently used versions) and the weights stream no longer "
-                f"announces it (the run is at version {live_version}); save the weights again "
-                "to sample them"
+                f"{run_id}@{version} cannot be sampled any more: this replica holds no snapshot "
+                "of it (its snapshots hold more recently used versions) and the weights stream "
+                f"no longer announces it (the run is at version {live_version}); save the "
+                "weights again to sample them"
             )
         try:
             tensors = await self.load(event, owner)
         except (WeightsError, ValueError) as exc:
             raise RequestFailed(
-                f"{run_id}@{version} is not available: its weights are no longer in the store "
-                f"(it keeps a run's newest versions only) and this replica holds no snapshot of "
-                f"it; save the weights again to sample them ({exc})"
+                f"{run_id}@{version} cannot be sampled any more: its weights are gone from the "
+                "store (it keeps a run's newest versions only) and this replica holds no "
+                f"snapshot of it; save the weights again to sample them ({exc})"
             ) from None
         pinned = await self.engine.pin(live_slot, run_id, version, event, tensors)
         if pinned is None:
