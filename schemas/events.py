@@ -274,22 +274,17 @@ class GenerateRequest(Event, frozen=True, kw_only=True, tag="generate_request"):
     progress_subject: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
     progress_every_s: Annotated[float, msgspec.Meta(ge=0.1, le=60.0)] = 2.0
     prompt_logprobs: bool = False
-    """also score every prompt: the log-probability of each prompt token after the tokens
-    before it (temperature 1, no filter: the trainer's forward), in the same prefill"""
+    """also score each prompt's tokens (temperature 1, no filter: the trainer's forward)"""
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0
-    """this many most likely tokens at every sampled position (under the distribution sampled
-    from), and at every prompt position when ``prompt_logprobs`` asks for the prompt's"""
+    """the most likely tokens to report at each sampled (and scored prompt) position"""
     top_k: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 0
-    """sample among the ``top_k`` most likely tokens only (0: no limit); applied before top_p"""
+    """sample among the ``top_k`` most likely tokens only (0: no limit); before top_p"""
     ignore_eos: bool = False
     """do not stop at an end-of-sequence token: generate ``max_tokens`` tokens"""
     exact_version: bool = False
-    """answer with policy version ``min_policy_version`` exactly, not a newer one: a replica
-    that has moved on keeps or fetches that version (a snapshot) or answers with an error that
-    says why it cannot"""
+    """serve ``min_policy_version`` exactly (a snapshot), or an error saying why not"""
     base_model: bool = False
-    """generate with the base model itself, no adapter: ``run_id`` is then only the
-    requester's label and needs no run (and takes no run slot)"""
+    """generate with the base model, no adapter: ``run_id`` is only a label, no run needed"""
 
 
 class TopLogprobs(msgspec.Struct, frozen=True, kw_only=True):
