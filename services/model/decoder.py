@@ -153,10 +153,11 @@ class PagedDecoder:
                     )
                 h = h + attn.o_proj(o.reshape(o.shape[0], -1))
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
+            # inside the adapters' routing: lm_head may carry LoRA (train_unembed)
+            return self.lm_head(self.norm(h))
         finally:
             if context is not None:
                 context.set_gather_slots(None)
-        return self.lm_head(self.norm(h))
 
     # --- prefill --------------------------------------------------------------------------------
 
@@ -202,8 +203,12 @@ class PagedDecoder:
                 )
                 h = h + attn.o_proj(o.transpose(1, 2).reshape(n, width, -1))
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
+            # inside the adapters' routing: lm_head may carry LoRA (train_unembed)
+            last = self.lm_head(self.norm(h[torch.arange(n, device=device), lengths - 1]))
         if every_position is not None:
             for i in list(every_position):
-                every_position[i] = self.lm_head(self.norm(h[i, : len(prompts[i])]))
-        last = h[torch.arange(n, device=device), lengths - 1]
-        return self.lm_head(self.norm(last))
+                one = self.lora.use([slot_ids[i]]) if self.lora is not None else nullcontext()
+                with one:
+                    rows = self.lm_head(self.norm(h[i : i + 1, : len(prompts[i])]))
+                every_position[i] = rows[0]
+        return last

@@ -135,3 +135,31 @@ def test_ignore_eos_generates_to_max_tokens(model_lora, which) -> None:
         assert after.finish_reason == "length" and len(after.token_ids) == 30
         assert after.token_ids[: len(before.token_ids)] == before.token_ids
         assert eos in after.token_ids
+
+
+def test_lora_on_the_unembedding_reaches_every_path(tiny_dir: Path, randomize) -> None:
+    """With lm_head among the targets (Tinker's train_unembed), the paged decoder's prefill,
+    decode and prompt scores and the static sampler all apply its adapter as the trainer's
+    forward does."""
+    from services.model.lora import DEFAULT_TARGET_MODULES
+
+    model, _ = load_model(tiny_dir)
+    lora = MultiLoRA.attach(model, 2, 8, [*DEFAULT_TARGET_MODULES, "lm_head"])
+    assert "lm_head" in lora.layers
+    randomize(lora, 0, 8, 16.0, seed=7, scale=0.5)
+    with torch.no_grad():  # only the unembedding's adapter differs from slot 1's
+        for name, layer in lora.layers.items():
+            if name != "lm_head":
+                layer.lora_B[0].zero_()
+    prompt = PROMPTS[0]
+    plain = _forward_logprobs(model, lora, prompt, -1)
+    adapted = _forward_logprobs(model, lora, prompt, 0)
+    assert (plain - adapted).abs().max() > 0.05  # the unembedding's adapter changes the output
+    specs = [SequenceSpec(prompt, slot=0, max_tokens=6, seed=3, score_prompt=True)]
+    for which, generate in _generators(model, lora).items():
+        [out] = generate(specs)
+        full = _forward_logprobs(model, lora, prompt + out.token_ids, 0)
+        expected = [float(full[t - 1, (prompt + out.token_ids)[t]]) for t in range(1, len(prompt))]
+        assert out.prompt_logprobs[1:] == pytest.approx(expected, abs=1e-4), which
+        sampled = [float(full[len(prompt) - 1 + k, t]) for k, t in enumerate(out.token_ids)]
+        assert out.logprobs == pytest.approx(sampled, abs=1e-4), which
