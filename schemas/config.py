@@ -364,7 +364,9 @@ def _toml_value(v: Any) -> str:
 
 
 def _dump_table(data: dict[str, Any], path: list[str], out: list[str]) -> None:
-    scalars = {k: v for k, v in data.items() if not isinstance(v, dict) or not v or k == "env_args"}
+    # free-form tables are written inline: their keys are quoted (a label key may hold a dot)
+    inline = ("env_args", "labels") if not path else ()
+    scalars = {k: v for k, v in data.items() if not isinstance(v, dict) or not v or k in inline}
     tables = {k: v for k, v in data.items() if k not in scalars}
     if path and scalars:
         out.append("")
