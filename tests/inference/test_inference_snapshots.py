@@ -60,7 +60,10 @@ async def test_a_pinned_version_is_served_after_the_run_moves_on(
     # version 2 was never pinned and the store (keep_last=1) no longer has it: a clear error
     gone = await _ask(bus, msgspec_replace(at[2], exact_version=True))
     assert gone.completions == [] and gone.error is not None
-    assert f"{run_id}@2 cannot be sampled any more" in gone.error and "save the weights again" in gone.error
+    assert (
+        f"{run_id}@2 cannot be sampled any more" in gone.error
+        and "save the weights again" in gone.error
+    )
     # version 3 is pinned from the slot; with one snapshot slot it replaces version 1
     assert (await _ask(bus, msgspec_replace(at[3], exact_version=True))).policy_version == 3
     assert service.engine.snapshots.dropped == [(run_id, 1)]
