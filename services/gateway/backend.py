@@ -13,6 +13,7 @@ says what was wrong; each API renders it in its own error shape.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import re
 import time
@@ -97,6 +98,19 @@ class ModelRef:
     min_version: int = 0
     is_base: bool = False
     exact: bool = False
+
+
+def run_id_for(session_id: str, model_seq_id: int) -> str:
+    """The run of a Tinker training client: derived from its session and ``model_seq_id``."""
+    digest = hashlib.sha256(f"{session_id}/{model_seq_id}".encode()).hexdigest()
+    return f"run_tk_{digest[:20]}"
+
+
+def sdk_model_run(model: str) -> str:
+    """``model`` with the id the Tinker SDK derives for a training client it created from a
+    saved state (``<session>:train:<model_seq_id>``) replaced by its run's id."""
+    session, _, seq = model.rpartition(":train:")
+    return run_id_for(session, int(seq)) if session and seq.isdigit() else model
 
 
 def new_request_id(prefix: str) -> str:
@@ -253,7 +267,8 @@ class Backend:
             raise GatewayError(400, "`model` is required: a run id, run_id@version or the base")
         if model == self.settings.base_name() or model == self.base_run_id:
             return ModelRef(self.base_run_id, 0, is_base=True)
-        run_id, _, version_text = model.partition("@")
+        name, _, version_text = model.partition("@")
+        run_id = sdk_model_run(name)
         if not RUN_ID.match(run_id):
             raise GatewayError(
                 404,

@@ -33,7 +33,7 @@ from schemas.training import (
     SaveWeightsResult,
 )
 from services.gateway.app import Scope, gateway_of, parse_body, read_json
-from services.gateway.backend import GatewayError, new_request_id
+from services.gateway.backend import GatewayError, new_request_id, run_id_for
 from services.gateway.futures import Outcome
 from services.gateway.observe import note_run
 from services.gateway.tinker_api import check_base
@@ -45,7 +45,6 @@ from services.gateway.tinker_training import (
     _refused,
     created,
     run_config,
-    run_id_for,
     run_labels,
 )
 

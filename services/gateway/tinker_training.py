@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import re
 import uuid
 from typing import Any
@@ -44,6 +43,8 @@ from services.gateway.backend import (
     ModelRef,
     commands_config,
     config_digest,
+    run_id_for,
+    sdk_model_run,
 )
 from services.gateway.futures import Outcome
 from services.gateway.observe import note_run
@@ -67,18 +68,10 @@ USER_LABEL = "user."
 _NAME = re.compile(r"[^A-Za-z0-9_.-]")
 
 
-def run_id_for(session_id: str, model_seq_id: int) -> str:
-    digest = hashlib.sha256(f"{session_id}/{model_seq_id}".encode()).hexdigest()
-    return f"run_tk_{digest[:20]}"
-
-
 def _model_id(model_id: str | None) -> str:
     """The run a request's ``model_id`` names: the run id ``create_model`` answered, or the id
     the SDK derives itself (``<session>:train:<model_seq_id>``) for the same run."""
-    model_id = model_id or ""
-    session, _, seq = model_id.rpartition(":train:")
-    if session and seq.isdigit():
-        return run_id_for(session, int(seq))
+    model_id = sdk_model_run(model_id or "")
     if not RUN_ID.match(model_id):
         raise GatewayError(404, f"unknown model {model_id!r}")
     return model_id
