@@ -83,7 +83,7 @@ class Stack:
             *("--request-timeout-s", "60", "--train-unembed", *extra),
         )
 
-    def wait_http(self, timeout: float = 120.0) -> None:
+    def wait_http(self, timeout: float = 240.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for name, proc in self.procs.items():
