@@ -11,12 +11,13 @@ import hashlib
 import json
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StringConstraints,
     ValidationError,
     field_validator,
     model_validator,
@@ -282,6 +283,16 @@ class OrchConfig(_Strict):
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     ckpt: CkptConfig = Field(default_factory=CkptConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    labels: dict[
+        Annotated[str, StringConstraints(min_length=1, max_length=128)],
+        Annotated[str, StringConstraints(max_length=1024)],
+    ] = Field(
+        default_factory=dict,
+        max_length=64,
+        description="free-form text labels of the run, listed with it (the run list's rows "
+        "carry them): the Tinker gateway records a run's session, base model and the user's "
+        "metadata here; nothing in plexrl trains differently for them",
+    )
 
     def to_dict(self) -> dict[str, Any]:
         """The config as plain JSON-compatible data (what RunSubmitted.config carries)."""
@@ -360,7 +371,9 @@ def _toml_value(v: Any) -> str:
 
 
 def _dump_table(data: dict[str, Any], path: list[str], out: list[str]) -> None:
-    scalars = {k: v for k, v in data.items() if not isinstance(v, dict) or not v or k == "env_args"}
+    # free-form tables are written inline: their keys are quoted (a label key may hold a dot)
+    inline = ("env_args", "labels") if not path else ()
+    scalars = {k: v for k, v in data.items() if not isinstance(v, dict) or not v or k in inline}
     tables = {k: v for k, v in data.items() if k not in scalars}
     if path and scalars:
         out.append("")

@@ -240,12 +240,17 @@ class WeightsReady(Event, frozen=True, kw_only=True, tag="weights_ready"):
 # --- generation (request/reply, queue group ``inference``) ------------------------------------
 
 
+MAX_TOP_LOGPROBS = 20
+"""the most alternatives a GenerateRequest may ask for per position (``top_logprobs``)"""
+
+
 class GenerateRequest(Event, frozen=True, kw_only=True, tag="generate_request"):
     """Completions for ``prompts`` under ``run_id``'s adapter, ``n`` per prompt.
 
     Producer: orchestrator (or any client). Consumer: an inference replica.
     Subject: ``plexrl.inference.generate`` (request/reply). The reply is a GenerateResponse
-    generated with a policy version ``>= min_policy_version``, or an error.
+    generated with a policy version ``>= min_policy_version`` (exactly that version with
+    ``exact_version``), or an error.
 
     ``progress_subject`` asks for liveness: the replica that takes the request publishes a
     GenerateProgress there at once and then every ``progress_every_s`` seconds until it replies,
@@ -268,6 +273,34 @@ class GenerateRequest(Event, frozen=True, kw_only=True, tag="generate_request"):
     timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 30.0
     progress_subject: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
     progress_every_s: Annotated[float, msgspec.Meta(ge=0.1, le=60.0)] = 2.0
+    prompt_logprobs: bool = False
+    """also score each prompt's tokens (temperature 1, no filter: the trainer's forward)"""
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0
+    """the most likely tokens to report at each sampled (and scored prompt) position"""
+    top_k: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 0
+    """sample among the ``top_k`` most likely tokens only (0: no limit); before top_p"""
+    ignore_eos: bool = False
+    """do not stop at an end-of-sequence token: generate ``max_tokens`` tokens"""
+    exact_version: bool = False
+    """serve ``min_policy_version`` exactly (a snapshot), or an error saying why not"""
+    base_model: bool = False
+    """generate with the base model, no adapter: ``run_id`` is only a label, no run needed"""
+
+
+class TopLogprobs(msgspec.Struct, frozen=True, kw_only=True):
+    """The most likely tokens at one position, most likely first, and their log-probabilities."""
+
+    token_ids: list[TokenId]
+    logprobs: list[float]
+
+
+class PromptLogprobs(msgspec.Struct, frozen=True, kw_only=True):
+    """One prompt's scores: ``logprobs[t]`` is the log-probability of prompt token ``t`` after
+    the tokens before it (``None`` for the first, which has no context); ``top_logprobs[t]`` the
+    alternatives at position ``t`` (empty for the first) when the request asked for them."""
+
+    logprobs: list[float | None]
+    top_logprobs: list[TopLogprobs] = msgspec.field(default_factory=list)
 
 
 ProgressState = Literal["waiting_for_version", "generating"]
@@ -300,6 +333,9 @@ class Completion(msgspec.Struct, frozen=True, kw_only=True):
     token_ids: list[TokenId]
     logprobs: list[float]
     finish_reason: FinishReason
+    top_logprobs: list[TopLogprobs] = msgspec.field(default_factory=list)
+    """per sampled token, the request's ``top_logprobs`` most likely tokens (empty when it asked
+    for none)"""
 
 
 class GenerateResponse(Event, frozen=True, kw_only=True, tag="generate_response"):
@@ -315,6 +351,9 @@ class GenerateResponse(Event, frozen=True, kw_only=True, tag="generate_response"
     policy_version: NonNegInt
     completions: list[list[Completion]]
     error: str | None = None
+    prompt_logprobs: list[PromptLogprobs] = msgspec.field(default_factory=list)
+    """``prompt_logprobs[i]`` scores ``prompts[i]`` when the request asked for
+    ``prompt_logprobs`` (empty otherwise)"""
 
 
 # --- errors (stream PLEXRL_ERRORS) ------------------------------------------------------------
@@ -386,6 +425,9 @@ class RunRow(msgspec.Struct, frozen=True, kw_only=True):
     """the digest of the config the registry holds for the run (``sha256:...``, as in
     RunDiscovered); empty when it holds none (an invalid run) or from a registry before this
     field: a client compares it with its own config's to tell its run from another's"""
+    labels: dict[str, str] = msgspec.field(default_factory=dict)
+    """the ``labels`` of the run's config (empty without any, or from a registry before this
+    field)"""
 
 
 class RunList(Event, frozen=True, kw_only=True, tag="run_list"):

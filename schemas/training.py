@@ -3,7 +3,8 @@
 A run whose config says ``driver = "commands"`` (``schemas/config.py``) is trained by explicit commands instead of by
 RolloutBatch events: ``forward_backward`` computes a loss over caller-supplied data and adds
 the gradients to the run's adapter, ``optim_step`` applies the run's optimizer, and
-``save_weights`` / ``load_weights`` write and restore the adapter. The HTTP gateway turns the
+``save_weights`` / ``load_weights`` write and restore the adapter, and ``checkpoints`` lists,
+reads and deletes what was saved. The HTTP gateway turns the
 Tinker API into these requests; any client may send them.
 
 Core NATS request/reply, answered by the trainer, on ``plexrl.train.<kind>`` for the default
@@ -173,6 +174,9 @@ class SaveWeightsRequest(Event, frozen=True, kw_only=True, tag="save_weights_req
     run_id: RunId
     kind: SaveKind = "sampler"
     name: CheckpointName = ""
+    overwrite: bool = True
+    """with ``kind = "state"`` and a name: replace a checkpoint of that name (False: refuse,
+    and keep the one there)"""
 
 
 class SaveWeightsResult(Event, frozen=True, kw_only=True, tag="save_weights_result"):
@@ -199,7 +203,9 @@ class LoadWeightsRequest(Event, frozen=True, kw_only=True, tag="load_weights_req
 
     Producer: the gateway, any client. Consumer: trainer.
     Subject: ``plexrl.train[.<tenant>].load_weights`` (request/reply); the reply is a
-    LoadWeightsResult. Gradients accumulated before the load are dropped.
+    LoadWeightsResult. Gradients accumulated before the load are dropped. With
+    ``source_run_id`` the checkpoint is another run's of the same tenant (active, evicted or
+    finished): a fork, which must have the same LoRA rank.
     """
 
     request_id: RequestId
@@ -212,6 +218,8 @@ class LoadWeightsRequest(Event, frozen=True, kw_only=True, tag="load_weights_req
         ),
     ]
     optimizer: bool = True
+    source_run_id: RunId | None = None
+    """the run whose checkpoint to load (None: this run's own)"""
 
 
 class LoadWeightsResult(Event, frozen=True, kw_only=True, tag="load_weights_result"):
@@ -223,8 +231,89 @@ class LoadWeightsResult(Event, frozen=True, kw_only=True, tag="load_weights_resu
     error: str | None = None
 
 
-TrainRequest = ForwardBackwardRequest | OptimStepRequest | SaveWeightsRequest | LoadWeightsRequest
-TrainResult = ForwardBackwardResult | OptimStepResult | SaveWeightsResult | LoadWeightsResult
+CheckpointOp = Literal["list", "read", "delete", "expire"]
+
+CHUNK_MAX = 1 << 19
+"""the most bytes one ``read`` answers with (they travel inline, base64 in JSON)"""
+
+
+class CheckpointFile(msgspec.Struct, frozen=True, kw_only=True):
+    """A file of a checkpoint's PEFT adapter: its path under the checkpoint and its size."""
+
+    path: str
+    size_bytes: NonNegInt
+
+
+class CheckpointInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """One saved state (``kind = "state"``) or sampler save (``kind = "sampler"``) of a run.
+
+    ``name`` is what a LoadWeightsRequest takes (state) or the save's name (sampler);
+    ``step`` the adapter's step; ``created_at`` and ``expires_at`` (0: never) epoch seconds;
+    ``files`` the adapter's files (state only), which ``read`` serves.
+    """
+
+    name: str
+    kind: SaveKind
+    step: NonNegInt
+    created_at: float = 0.0
+    size_bytes: NonNegInt = 0
+    rank: NonNegInt = 0
+    alpha: float = 0.0
+    expires_at: float = 0.0
+    files: list[CheckpointFile] = msgspec.field(default_factory=list)
+
+
+class CheckpointsRequest(Event, frozen=True, kw_only=True, tag="checkpoints_request"):
+    """List, read, delete or set the expiry of a run's saved checkpoints.
+
+    Producer: the gateway, any client. Consumer: trainer (answered at once, between steps
+    or not). Subject: ``plexrl.train[.<tenant>].checkpoints`` (request/reply); the reply is a
+    CheckpointsResult. The run may be active, evicted or finished, but must be the subject's
+    tenant's. ``op``:
+
+    - ``list``: every checkpoint (``name`` empty) or the one named ``name``;
+    - ``read``: up to ``length`` bytes (at most :data:`CHUNK_MAX`) of the adapter file ``file``
+      of state checkpoint ``name``, from ``offset``;
+    - ``delete``: remove checkpoint ``name`` (``kind`` says which);
+    - ``expire``: the checkpoint ``name`` is deleted ``ttl_s`` seconds from now (0: never).
+    """
+
+    request_id: RequestId
+    run_id: RunId
+    op: CheckpointOp = "list"
+    kind: SaveKind = "state"
+    name: CheckpointName = ""
+    file: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{0,128}(?!\n)$")] = ""
+    offset: NonNegInt = 0
+    length: Annotated[int, msgspec.Meta(ge=0, le=CHUNK_MAX)] = 0
+    ttl_s: Annotated[float, msgspec.Meta(ge=0.0, le=1e10)] = 0.0
+
+
+class CheckpointsResult(Event, frozen=True, kw_only=True, tag="checkpoints_result"):
+    """The reply to a CheckpointsRequest: the checkpoints listed (newest last), the bytes
+    read, or ``error`` (nothing changed)."""
+
+    request_id: str
+    run_id: str
+    checkpoints: list[CheckpointInfo] = msgspec.field(default_factory=list)
+    data: bytes = b""
+    error: str | None = None
+
+
+TrainRequest = (
+    ForwardBackwardRequest
+    | OptimStepRequest
+    | SaveWeightsRequest
+    | LoadWeightsRequest
+    | CheckpointsRequest
+)
+TrainResult = (
+    ForwardBackwardResult
+    | OptimStepResult
+    | SaveWeightsResult
+    | LoadWeightsResult
+    | CheckpointsResult
+)
 
 TRAINING_EVENTS: tuple[type[Event], ...] = (
     ForwardBackwardRequest,
@@ -235,6 +324,8 @@ TRAINING_EVENTS: tuple[type[Event], ...] = (
     SaveWeightsResult,
     LoadWeightsRequest,
     LoadWeightsResult,
+    CheckpointsRequest,
+    CheckpointsResult,
 )
 
 # --- subjects ------------------------------------------------------------------------------
@@ -263,6 +354,11 @@ TRAIN_COMMANDS: dict[str, tuple[type[Event], type[Event], str]] = {
         LoadWeightsRequest,
         LoadWeightsResult,
         "restore the run's adapter and optimizer from a checkpoint",
+    ),
+    "checkpoints": (
+        CheckpointsRequest,
+        CheckpointsResult,
+        "list, read, delete or expire a run's saved checkpoints",
     ),
 }
 """kind -> (request, result, summary) of each training command."""

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 import socket
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from services.gateway.connections import (
 )
 from services.gateway.futures import Futures, Outcome
 from services.gateway.observe import observe
+from services.gateway.sessions import SESSION_LABEL, Sessions
 from services.gateway.settings import GatewaySettings
 from services.gateway.tenancy import Tenancy
 from services.gateway.text import TextCodec
@@ -50,6 +52,9 @@ MAX_JSON_DEPTH = 64
 OPEN_PATHS = frozenset({"/healthz", "/api/v1/healthz"})
 """what answers without an API key"""
 
+OPEN_PREFIXES = ("/api/v1/downloads/",)
+"""what answers without an API key because its URL is signed (services/gateway/downloads.py)"""
+
 UNCOUNTED_PATHS = frozenset({"/api/v1/retrieve_future", "/api/v1/session_heartbeat"})
 """requests that wait on work already counted (a future) or do none"""
 
@@ -62,6 +67,45 @@ class Gateway:
         self.settings = settings
         self.codec = codec
         self.futures = Futures(settings.future_ttl_s, tenancy)
+        self.sessions = Sessions(settings.session_ttl_s, self._evict)
+        self.url_key = secrets.token_bytes(32)
+        """signs this process's download URLs (a restarted gateway's old URLs stop working)"""
+
+    async def _evict(self, tenant: str, run_ids: list[str], reason: str) -> None:
+        backend = await self.tenancy.backend(tenant)
+        for run_id in run_ids:
+            await backend.evict(run_id, reason)
+
+    async def adopt_sessions(self, backend: Backend) -> None:
+        """Once per tenant: find the sessions of its runs (their labels) after a restart."""
+        if self.sessions.adopted(backend.tenant):
+            return
+        rows = await backend.runs()
+        self.sessions.adopt(
+            backend.tenant,
+            {
+                r.run_id: r.labels[SESSION_LABEL]
+                for r in rows
+                if r.status in ("active", "waiting")
+                and r.tenant == backend.tenant
+                and r.labels.get(SESSION_LABEL)
+            },
+        )
+
+    async def keep_sessions(self, stop: asyncio.Event) -> None:
+        """Until ``stop``: adopt the sessions of every connected tenant, expire silent ones."""
+        every = min(5.0, self.settings.session_ttl_s / 4)
+        while not stop.is_set():
+            for backend in self.tenancy.connected():
+                try:
+                    await self.adopt_sessions(backend)
+                except GatewayError as exc:
+                    log.debug("gateway: sessions of %s not read yet: %s", backend.tenant, exc)
+            await self.sessions.expire()
+            try:
+                await asyncio.wait_for(stop.wait(), every)
+            except TimeoutError:
+                pass
 
 
 @dataclass(frozen=True)
@@ -78,6 +122,12 @@ class TenantFutures:
 
     async def wait(self, future_id: str, timeout: float) -> Outcome | None:
         return await self.futures.wait(self.tenant, future_id, timeout)
+
+    def known(self, future_id: str) -> bool:
+        return self.futures.known(self.tenant, future_id)
+
+    def cancel(self, future_id: str) -> bool:
+        return self.futures.cancel(self.tenant, future_id)
 
 
 @dataclass(frozen=True)
@@ -99,6 +149,10 @@ class Scope:
     @property
     def futures(self) -> TenantFutures:
         return TenantFutures(self.gateway.futures, self.tenant)
+
+    @property
+    def sessions(self) -> Sessions:
+        return self.gateway.sessions
 
 
 def gateway_of(request: Request) -> Scope:
@@ -122,7 +176,7 @@ async def authenticate(
 ) -> Response:
     """The HTTP middleware that finds the request's tenant (401 without a valid key), counts
     it against the key's limit (429 past it) and gives the routes its :class:`Scope`."""
-    if request.url.path in OPEN_PATHS:
+    if request.url.path in OPEN_PATHS or request.url.path.startswith(OPEN_PREFIXES):
         return await call_next(request)
     gateway: Gateway = request.app.state.gateway
     counted = request.url.path not in UNCOUNTED_PATHS
@@ -238,6 +292,9 @@ def build_app(gateway: Gateway) -> FastAPI:
     from services.gateway.openai_api import router as openai_router
     from services.gateway.tinker_api import router as tinker_router
     from services.gateway.tinker_api import tinker_error
+    from services.gateway.tinker_checkpoints import router as checkpoints_router
+    from services.gateway.tinker_sessions import router as sessions_router
+    from services.gateway.tinker_states import router as states_router
     from services.gateway.tinker_training import router as training_router
 
     app = FastAPI(title="plexrl gateway", docs_url=None, redoc_url=None, openapi_url=None)
@@ -247,6 +304,9 @@ def build_app(gateway: Gateway) -> FastAPI:
     app.include_router(openai_router)
     app.include_router(tinker_router)
     app.include_router(training_router)
+    app.include_router(sessions_router)
+    app.include_router(states_router)
+    app.include_router(checkpoints_router)
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, exc: GatewayError) -> JSONResponse:

@@ -13,6 +13,7 @@ says what was wrong; each API renders it in its own error shape.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import re
 import time
@@ -30,6 +31,7 @@ from schemas.codec import DecodeError, decode
 from schemas.config import ConfigError, orch_config_from_dict
 from schemas.events import (
     Event,
+    EvictRequested,
     GenerateRequest,
     GenerateResponse,
     RunConfigInvalid,
@@ -89,11 +91,26 @@ class GatewayError(Exception):
 
 @dataclass(frozen=True)
 class ModelRef:
-    """What an API ``model`` names: a run, and the oldest policy version it may answer with."""
+    """What an API ``model`` names: a run and the oldest policy version it may answer with, or
+    exactly that version (``exact``: ``run_x@N``), or the base model (no run)."""
 
     run_id: str
     min_version: int = 0
     is_base: bool = False
+    exact: bool = False
+
+
+def run_id_for(session_id: str, model_seq_id: int) -> str:
+    """The run of a Tinker training client: derived from its session and ``model_seq_id``."""
+    digest = hashlib.sha256(f"{session_id}/{model_seq_id}".encode()).hexdigest()
+    return f"run_tk_{digest[:20]}"
+
+
+def sdk_model_run(model: str) -> str:
+    """``model`` with the id the Tinker SDK derives for a training client it created from a
+    saved state (``<session>:train:<model_seq_id>``) replaced by its run's id."""
+    session, _, seq = model.rpartition(":train:")
+    return run_id_for(session, int(seq)) if session and seq.isdigit() else model
 
 
 def new_request_id(prefix: str) -> str:
@@ -110,9 +127,8 @@ class Backend:
         self.settings = settings
         self.tenant = tenant
         self.base_run_id = base_run_id or settings.base_run_id
-        """the never-trained run of this tenant that serves the base model"""
-        self._base_ready = False
-        self._base_lock = asyncio.Lock()
+        """the label of this tenant's base-model requests (they need no run)"""
+        self._giving_up: set[asyncio.Task[None]] = set()
 
     # --- runs -------------------------------------------------------------------------------
 
@@ -195,37 +211,64 @@ class Backend:
                 )
             await asyncio.sleep(RETRY_PAUSE_S)
         state = "is waiting for a free run slot" if row is not None else "was never registered"
+        if row is not None and row.status == "waiting":
+            self.give_up(run_id)  # a client that gave up must not take the next free slot
         raise GatewayError(
             503,
-            f"{run_id} {state} after {self.settings.create_timeout_s:g}s; free a slot (evict a "
-            "run) or retry later",
+            f"{run_id} {state} after {self.settings.create_timeout_s:g}s, so it left the "
+            "queue; free a slot (evict a run, or finish a session) or retry later",
             "unavailable",
         )
 
-    async def ensure_base(self) -> None:
-        """Make sure the never-trained run that serves the base model exists and is active."""
-        if self._base_ready:
-            return
-        async with self._base_lock:
-            if self._base_ready:
-                return
-            run_id = self.base_run_id
-            row = await self.run(run_id)
-            if row is None or row.status != "active":
-                await self.submit(run_id, base_run_config(), "gateway")
-            self._base_ready = True
+    def give_up(self, run_id: str) -> None:
+        """Take a queued run out of the queue and delete it (its id is free again)."""
+        task = asyncio.create_task(self._give_up(run_id), name=f"give up {run_id}")
+        self._giving_up.add(task)
+        task.add_done_callback(self._giving_up.discard)
+
+    async def _give_up(self, run_id: str) -> None:
+        try:
+            await self.evict(run_id, "its client gave up waiting for a free run slot")
+            deadline = time.monotonic() + 30.0
+            while time.monotonic() < deadline:
+                row = await self.run(run_id)
+                if row is None or row.status in ("evicted", "invalid"):
+                    break
+                await asyncio.sleep(RETRY_PAUSE_S)
+            await self.evict(run_id, "deleted: never admitted", delete=True)
+        except (GatewayError, NatsTimeout, NoRespondersError) as exc:
+            log.warning("gateway: could not take %s out of the queue: %s", run_id, exc)
+
+    async def evict(self, run_id: str, reason: str, *, delete: bool = False) -> None:
+        """Ask the registry to evict ``run_id`` (with ``delete``: to delete the evicted run's
+        directory, checkpoints included, freeing its id)."""
+        event = EvictRequested(
+            run_id=run_id, reason=reason[:16000], requested_by="gateway", delete=delete
+        )
+        what = "delete" if delete else "evict"
+        try:
+            await self.bus.publish(
+                runs_subject("evict", self.tenant),
+                event,
+                msg_id=f"{run_id}/{what}/{uuid.uuid4().hex}",
+                full_wait=0,
+            )
+        except APIError as exc:
+            raise GatewayError(
+                400, f"the registry refused to {what} {run_id}: {exc.description}", "refused"
+            ) from None
 
     async def resolve(self, model: str) -> ModelRef:
-        """The run and minimum version a ``model`` name stands for; 404 when there is none.
+        """The run and version a ``model`` name stands for; 404 when there is none.
 
-        ``run_x`` is the newest adapter inference holds, ``run_x@12`` any version >= 12, and
-        the base model's name (or the base run's id) the base model."""
+        ``run_x`` is the newest adapter inference holds, ``run_x@12`` exactly version 12, and
+        the base model's name (or the base label) the base model itself, which needs no run."""
         if not model:
             raise GatewayError(400, "`model` is required: a run id, run_id@version or the base")
         if model == self.settings.base_name() or model == self.base_run_id:
-            await self.ensure_base()
             return ModelRef(self.base_run_id, 0, is_base=True)
-        run_id, _, version_text = model.partition("@")
+        name, _, version_text = model.partition("@")
+        run_id = sdk_model_run(name)
         if not RUN_ID.match(run_id):
             raise GatewayError(
                 404,
@@ -257,7 +300,7 @@ class Backend:
                     f"published are version {published} (it has reached step {row.step or 0})",
                     "model_not_found",
                 )
-        return ModelRef(run_id, version)
+        return ModelRef(run_id, version, exact=bool(version_text))
 
     async def published_version(self, run_id: str) -> int:
         """The version of the run's newest WeightsReady (0, the base, when it has none)."""
@@ -279,10 +322,15 @@ class Backend:
         temperature: float,
         top_p: float,
         seed: int | None = None,
+        top_k: int = 0,
+        top_logprobs: int = 0,
+        prompt_logprobs: bool = False,
+        ignore_eos: bool = False,
     ) -> GenerateResponse:
         """Completions from inference, retried while the condition is transient. A request of
         more prompts than ``max_prompts`` or more than ``max_request_tokens`` tokens to
-        generate (prompts x n x max_tokens) is a 400 naming the limit."""
+        generate (prompts x n x max_tokens) is a 400 naming the limit. ``ref`` says what
+        generates them: a run's newest version, exactly one version, or the base model."""
         self.check_work(len(prompts), n, max_tokens)
         timeout = self.settings.request_timeout_s
         request = GenerateRequest(
@@ -296,6 +344,12 @@ class Backend:
             min_policy_version=ref.min_version,
             seed=seed,
             timeout_s=min(timeout, 3600.0),
+            prompt_logprobs=prompt_logprobs,
+            top_logprobs=top_logprobs,
+            top_k=top_k,
+            ignore_eos=ignore_eos,
+            exact_version=ref.exact,
+            base_model=ref.is_base,
         )
         subject = generate_subject(self.tenant)
         deadline = time.monotonic() + timeout
@@ -360,11 +414,6 @@ class Backend:
             except msgspec.ValidationError as exc:
                 raise GatewayError(502, f"the trainer's answer to {kind}: {exc}") from exc
             await asyncio.sleep(RETRY_PAUSE_S)
-
-
-def base_run_config() -> dict[str, Any]:
-    """The config of the run that serves the base model: it is never trained."""
-    return commands_config({"env": "reverse", "max_steps": 1})
 
 
 def commands_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -112,16 +112,28 @@ class Futures:
     async def _run(
         before: asyncio.Task[Outcome] | None, work: Callable[[], Awaitable[Outcome]]
     ) -> Outcome:
-        if before is not None:
-            await asyncio.wait({before})
         try:
+            if before is not None:
+                await asyncio.wait({before})
             return await work()
+        except asyncio.CancelledError:  # cancel(): the client no longer wants it
+            return Outcome(error="cancelled by the client (cancel_future)", category="user")
         except GatewayError as exc:
             category: Category = "user" if 400 <= exc.status < 500 else "server"
             return Outcome(error=exc.message, category=category)
         except Exception as exc:
             log.exception("gateway: a future's work failed")
             return Outcome(error=f"{type(exc).__name__}: {exc}", category="server")
+
+    def cancel(self, owner: str, future_id: str) -> bool:
+        """Cancel ``owner``'s future ``future_id`` if it is still running; whether it is one of
+        ``owner``'s (another owner's future is as unknown as one never made)."""
+        entry = self._entries.get(future_id)
+        if entry is None or entry.owner != owner:
+            return False
+        if not entry.task.done():
+            entry.task.cancel()
+        return True
 
     def known(self, owner: str, future_id: str) -> bool:
         entry = self._entries.get(future_id)
@@ -150,7 +162,7 @@ class Futures:
             self._ids.pop((entry.owner, entry.key), None)
 
     async def close(self) -> None:
-        """Cancel the work still running (at shutdown)."""
+        """Cancel the work still running (at shutdown; it ends as if its client cancelled it)."""
         running = [e.task for e in self._entries.values() if not e.task.done()]
         for task in running:
             task.cancel()

@@ -84,9 +84,12 @@ async def serve(settings: GatewaySettings, bus: Bus, stop: asyncio.Event) -> int
     codec = await asyncio.to_thread(TextCodec.load, settings.model)
     tenancy = tenancy_for(settings, bus)
     gateway = Gateway(tenancy, settings, codec)
+    sessions = asyncio.create_task(gateway.keep_sessions(stop), name="gateway-sessions")
     try:
         await serve_http(build_app(gateway), settings, stop)
     finally:
+        sessions.cancel()
+        await asyncio.gather(sessions, return_exceptions=True)
         await gateway.futures.close()
         await tenancy.close()
     return 0

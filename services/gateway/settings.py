@@ -28,18 +28,32 @@ class GatewaySettings(BaseModel):
         description="the base model's Hugging Face directory (its tokenizer is the API's; "
         "clients load it from this path)",
     )
+    model_name: str = Field(
+        "",
+        max_length=256,
+        description="the name the base model is served under, e.g. its Hugging Face id: "
+        "get_server_capabilities and /v1/models list it, base_model= and model= accept it, and "
+        "get_info gives it as the tokenizer id (default: the directory's path)",
+    )
     model_alias: str = Field(
         "",
         max_length=256,
-        description="the name the base model is served under (default: the directory's path)",
+        description="a display name to serve the base model under instead of model_name, when "
+        "clients cannot load a tokenizer by it (get_info then names the model directory)",
+    )
+    train_unembed: bool = Field(
+        False,
+        description="the trainer and inference put LoRA on the unembedding too (lm_head among "
+        "their --target-modules), as Tinker's train_unembed=True asks: then that is what every "
+        "training client gets, else train_unembed=True is refused",
     )
     host: str = Field("127.0.0.1", description="address the HTTP server binds")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 picks a free one)")
     base_run_id: str = Field(
         "run_gateway_base",
         pattern=r"^run_[A-Za-z0-9_-]{1,64}$",
-        description="the never-trained run that serves the base model by name (submitted on "
-        "first use; its policy version 0 is the base model)",
+        description="the label of base-model requests to inference, which need no run and take "
+        "no run slot (older gateways submitted a run of this id to serve the base model)",
     )
     max_body_bytes: int = Field(
         16 * 1024 * 1024, ge=1024, le=1 << 31, description="largest request body accepted"
@@ -108,10 +122,25 @@ class GatewaySettings(BaseModel):
     future_ttl_s: float = Field(
         3600.0, gt=0, le=86400, description="how long a finished future's result is kept"
     )
+    session_ttl_s: float = Field(
+        120.0,
+        ge=15,
+        le=86400,
+        description="a Tinker session silent (no request, no heartbeat; the SDK beats every "
+        "10 s) this long is finished: the training runs it created are evicted",
+    )
+    download_ttl_s: float = Field(
+        3600.0, ge=60, le=7 * 86400, description="how long a checkpoint's download URL works"
+    )
     service: Token64 = Field(
         "gateway", description="service name: errors go to plexrl.errors.<service>"
     )
 
     def base_name(self) -> str:
         """The base model's name in the APIs."""
-        return self.model_alias or str(self.model)
+        return self.model_name or self.model_alias or str(self.model)
+
+    def tokenizer_id(self) -> str:
+        """What a client loads the tokenizer from: the model's name when it was given one (a
+        Hugging Face id), else the model directory."""
+        return self.model_name or str(self.model)

@@ -159,6 +159,12 @@ class Tenancy(Counter):
                 found = self._backends[tenant] = await self._connect(tenant)
         return found
 
+    def connected(self) -> list[Backend]:
+        """Every tenant's backend connected so far (the default one without a tenants file)."""
+        if self.keys is None:
+            return [self._default] if self._default is not None else []
+        return list(self._backends.values())
+
     def begin(self, tenant: str) -> None:
         """Count one more request or future of ``tenant``; 429 past the limit."""
         count = self._under_way.get(tenant, 0)

@@ -8,6 +8,7 @@ one; without one they are laid out as ``role: content`` lines ending in ``assist
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,15 +19,29 @@ from services.envs.prompts import decode_ids, encode_text, prompt_token_ids
 class TextCodec:
     """The tokenizer of the base model, as the APIs use it."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, context_len: int = 1 << 20, arch: str = "") -> None:
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
+        self.context_len = context_len
+        """the most tokens a sequence may hold (the model's max_position_embeddings)"""
+        self.arch = arch
+        """the model's architecture (its config's first ``architectures`` entry)"""
 
     @classmethod
     def load(cls, model_dir: Path) -> TextCodec:
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True))
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        context = int(config.get("max_position_embeddings") or 1 << 20)
+        arch = (config.get("architectures") or [config.get("model_type") or ""])[0]
+        return cls(tokenizer, context, str(arch))
+
+    @property
+    def bos_id(self) -> int:
+        """The start-of-text token (or 0 when the tokenizer has none)."""
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        return int(bos) if bos is not None else 0
 
     @property
     def has_chat_template(self) -> bool:

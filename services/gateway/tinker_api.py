@@ -5,19 +5,25 @@ What the ``tinker`` SDK sends, and what plexrl answers:
 - ``client/config``, ``client/dynamic_config``: the feature flags that keep the SDK on the
   paths implemented here (API-key auth, plain httpx, uncompressed and serial
   ``forward_backward`` chunks, per-request ``retrieve_future``).
-- ``create_session``, ``session_heartbeat``, ``telemetry``, ``healthz``: accepted; a session is
-  an id and nothing more (the gateway keeps no state a restart would lose).
+- ``telemetry``, ``healthz``: accepted. Sessions are in :mod:`services.gateway.tinker_sessions`.
 - ``get_server_capabilities``: the one base model this deployment serves.
 - ``create_sampling_session``, ``samplers/{id}``, ``asample``: sampling through
-  ``plexrl.inference.generate``. A sampling session's id names what it samples (a run and the
-  oldest version it may use, or the base model), so any gateway process can serve it.
+  ``plexrl.inference.generate``. A sampling session's id names what it samples (a run at exactly
+  one saved version, or the base model, which needs no run), so any gateway process can serve
+  it. A sampler of saved weights is pinned on creation: the replica keeps that version as a
+  snapshot while the run trains on. ``asample`` also scores the prompt
+  (``include_prompt_logprobs``, ``compute_logprobs``), reports the most likely tokens
+  (``topk_prompt_logprobs``, ``topk_sample_logprobs``), samples ``top_k``, runs to the context's
+  end without ``max_tokens`` and through end-of-sequence with ``stop=[]``.
 - ``retrieve_future``: a future's outcome, held for up to ``poll_s`` while it runs, then
   ``try_again``; results the SDK reads as protobuf (samples, forward_backward outputs) are sent
-  as protobuf.
+  as protobuf. ``cancel_future`` cancels a sample still running (training commands already sent
+  cannot be called back: 400).
 
-The training routes are in :mod:`services.gateway.tinker_training`. Routes the SDK knows and
-plexrl does not implement (custom losses, external weights, checkpoint listings...) answer 404
-with ``{"detail": ...}``, which the SDK raises as ``NotFoundError``.
+The training routes are in :mod:`services.gateway.tinker_training`, checkpoints and training
+runs in :mod:`services.gateway.tinker_checkpoints`. Routes the SDK knows and plexrl does not
+implement (custom losses...) answer 404 with ``{"detail": ...}``, which the SDK raises as
+``NotFoundError``.
 """
 
 from __future__ import annotations
@@ -67,6 +73,15 @@ def sampler_id(ref: ModelRef) -> str:
     return f"{SAMPLER_PREFIX}{what}:{uuid.uuid4().hex[:12]}"
 
 
+async def pin(gateway: Scope, ref: ModelRef) -> None:
+    """Have inference keep ``ref``'s exact version (a one-token request pins it as a snapshot),
+    so the sampler gets it after the run trains on; a version it cannot serve fails here."""
+    if ref.exact:
+        await gateway.backend.generate(
+            ref, [[gateway.codec.bos_id]], n=1, max_tokens=1, temperature=0.0, top_p=1.0
+        )
+
+
 async def sampler_ref(gateway: Scope, session_id: str) -> ModelRef:
     """What a sampling session samples, read from its id."""
     name = session_id.removeprefix(SAMPLER_PREFIX).partition(":")[0]
@@ -111,24 +126,12 @@ async def client_config() -> dict[str, Any]:
 
 @router.post("/client/dynamic_config")
 async def client_dynamic_config() -> dict[str, Any]:
-    return {"refresh_interval_sec": 3600, "sample_cancel_enabled": False}
+    return {"refresh_interval_sec": 3600, "sample_cancel_enabled": True}
 
 
 @router.get("/healthz")
 async def healthz() -> dict[str, str]:
     return {"status": "ok"}
-
-
-@router.post("/create_session")
-async def create_session(request: Request) -> dict[str, Any]:
-    await read_json(request)
-    return {"type": "create_session", "session_id": f"session-{uuid.uuid4().hex}"}
-
-
-@router.post("/session_heartbeat")
-async def session_heartbeat(request: Request) -> dict[str, Any]:
-    await read_json(request)
-    return {"type": "session_heartbeat"}
 
 
 @router.post("/telemetry")
@@ -152,7 +155,11 @@ async def create_sampling_session(request: Request) -> dict[str, Any]:
     gateway = gateway_of(request)
     body = parse_body(SamplingSessionBody, await read_json(request))
     ref = await model_path_ref(gateway, body.model_path, body.base_model)
-    return {"type": "create_sampling_session", "sampling_session_id": sampler_id(ref)}
+    await pin(gateway, ref)
+    session_id = sampler_id(ref)
+    if body.session_id:
+        gateway.sessions.touch(gateway.tenant, body.session_id).samplers.append(session_id)
+    return {"type": "create_sampling_session", "sampling_session_id": session_id}
 
 
 @router.get("/samplers/{session_id}")
@@ -198,15 +205,9 @@ async def _sample(
 ) -> Outcome:
     """The samples of an ``asample`` request whose ``n`` and ``max_tokens`` were checked."""
     params = body.sampling_params
-    if body.prompt_logprobs or body.topk_prompt_logprobs or body.topk_sample_logprobs:
-        raise GatewayError(400, "prompt logprobs and top-k logprobs are not supported by plexrl")
-    if params.top_k not in (-1, 0):
-        raise GatewayError(400, "top_k sampling is not supported by plexrl (use top_p)")
     prompt = _prompt_tokens(body)
-    try:
-        gateway.codec.check_ids(prompt)
-    except ValueError as exc:
-        raise GatewayError(400, str(exc)) from exc
+    k_prompt, k_sample = body.topk_prompt_logprobs or 0, body.topk_sample_logprobs or 0
+    scored = bool(body.prompt_logprobs) or k_prompt > 0
     answer = await gateway.backend.generate(
         ref,
         [prompt],
@@ -215,28 +216,76 @@ async def _sample(
         temperature=params.temperature,
         top_p=params.top_p,
         seed=params.seed,
+        top_k=max(params.top_k, 0),
+        top_logprobs=max(k_prompt if scored else 0, k_sample),
+        prompt_logprobs=scored,
+        ignore_eos=params.stop == [],
     )
     stops = params.stop
     stops = [stops] if isinstance(stops, str | int) else list(stops or [])
-    sequences: list[tuple[list[int], list[float], str]] = []
+    sequences = []
     for c in answer.completions[0]:
         ids, logprobs = list(c.token_ids), list(c.logprobs)
+        top = [list(zip(t.token_ids, t.logprobs, strict=True)) for t in c.top_logprobs]
         reason: str = c.finish_reason
         keep = _stopped(ids, stops, gateway)
         if keep < len(ids):
-            ids, logprobs, reason = ids[:keep], logprobs[:keep], "stop"
-        sequences.append((ids, logprobs, reason))
-    return Outcome(proto=wire.encode_sample_response(sequences))
+            ids, logprobs, top, reason = ids[:keep], logprobs[:keep], top[:keep], "stop"
+        sequences.append(wire.SampledSequence(ids, logprobs, reason, top if k_sample else None))
+    scores, prompt_top = None, None
+    if scored and answer.prompt_logprobs:
+        given = answer.prompt_logprobs[0]
+        scores = list(given.logprobs)
+        prompt_top = [list(zip(t.token_ids, t.logprobs, strict=True)) for t in given.top_logprobs]
+        last_n = body.prompt_logprobs_last_n
+        if last_n is not None:  # positions before the last n are not scored
+            cut = max(0, len(scores) - last_n)
+            scores[:cut] = [None] * cut
+            prompt_top[:cut] = [[] for _ in prompt_top[:cut]]
+    return Outcome(
+        proto=wire.encode_sample_response(
+            sequences,
+            prompt_logprobs=scores if body.prompt_logprobs else None,
+            prompt_top=prompt_top,
+            k_prompt=k_prompt,
+            k_sample=k_sample,
+        )
+    )
 
 
-def _sample_limits(gateway: Scope, body: SampleBody) -> tuple[int, int]:
-    """The number of samples and the token budget of a sample request, checked."""
-    n, max_tokens = body.num_samples, body.sampling_params.max_tokens or gateway.settings.max_tokens
-    if not 1 <= n <= gateway.settings.max_samples or max_tokens > gateway.settings.max_tokens:
+def _sample_limits(gateway: Scope, body: SampleBody, prompt: list[int]) -> tuple[int, int]:
+    """The number of samples and the token budget of a sample request, checked: without
+    ``max_tokens``, as many as the model's context leaves after the prompt."""
+    settings, context = gateway.settings, gateway.codec.context_len
+    room = context - len(prompt)
+    if room < 1:
         raise GatewayError(
             400,
-            f"num_samples must be 1..{gateway.settings.max_samples} and max_tokens at most "
-            f"{gateway.settings.max_tokens}",
+            f"the prompt has {len(prompt)} tokens and fills the model's context of {context}; "
+            "shorten it",
+        )
+    n = body.num_samples
+    asked = body.sampling_params.max_tokens
+    max_tokens = asked if asked is not None else min(room, settings.max_tokens)
+    if not 1 <= n <= settings.max_samples or max_tokens > settings.max_tokens:
+        raise GatewayError(
+            400,
+            f"num_samples must be 1..{settings.max_samples} and max_tokens at most "
+            f"{settings.max_tokens}",
+        )
+    if max_tokens > room:
+        raise GatewayError(
+            400,
+            f"a prompt of {len(prompt)} tokens plus max_tokens {max_tokens} exceeds the model's "
+            f"context of {context} tokens; ask for at most {room} (or leave max_tokens unset)",
+        )
+    for name in ("target_prompt_logprobs", "prompt_alt_tokens_k"):
+        if getattr(body, name):
+            raise GatewayError(400, f"{name} is not supported by plexrl")
+    last_n = body.prompt_logprobs_last_n
+    if last_n is not None and not (body.prompt_logprobs and 1 <= last_n <= len(prompt) - 1):
+        raise GatewayError(
+            400, "prompt_logprobs_last_n needs prompt_logprobs and must be 1..len(prompt) - 1"
         )
     return n, max_tokens
 
@@ -245,7 +294,12 @@ def _sample_limits(gateway: Scope, body: SampleBody) -> tuple[int, int]:
 async def asample(request: Request) -> dict[str, Any]:
     gateway = gateway_of(request)
     body = parse_body(SampleBody, await read_json(request))
-    n, max_tokens = _sample_limits(gateway, body)
+    prompt = _prompt_tokens(body)
+    try:
+        gateway.codec.check_ids(prompt)
+    except ValueError as exc:
+        raise GatewayError(400, str(exc)) from exc
+    n, max_tokens = _sample_limits(gateway, body, prompt)
     if body.sampling_session_id:
         session = body.sampling_session_id
         ref = await sampler_ref(gateway, session)
@@ -292,5 +346,16 @@ async def retrieve_future(request: Request) -> Response:
 
 @router.post("/cancel_future")
 async def cancel_future(request: Request) -> dict[str, Any]:
-    await read_json(request)
+    gateway = gateway_of(request)
+    request_id = parse_body(FutureBody, await read_json(request)).request_id
+    if not request_id.startswith("sample-"):
+        if gateway.futures.known(request_id):
+            raise GatewayError(
+                400,
+                f"{request_id} cannot be cancelled: only samples can; a training request "
+                "already sent to the trainer is applied",
+            )
+        raise GatewayError(404, f"unknown request {request_id!r}")
+    if not gateway.futures.cancel(request_id):
+        raise GatewayError(404, f"unknown request {request_id!r}")
     return {}

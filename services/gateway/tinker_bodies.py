@@ -12,6 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from schemas.events import MAX_TOP_LOGPROBS
+
 INT64_MAX = 2**63 - 1
 SEED_MAX = 2**64 - 1
 
@@ -33,7 +35,7 @@ class SamplingParams(Body):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = -1
+    top_k: int = Field(-1, ge=-1, le=1_000_000)
     seed: int | None = Field(None, ge=0, le=SEED_MAX)
     stop: str | int | list[str | int] | None = None
 
@@ -47,11 +49,15 @@ class SampleBody(Body):
     num_samples: int = 1
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     prompt_logprobs: bool | None = None
-    topk_prompt_logprobs: int | None = None
-    topk_sample_logprobs: int | None = None
+    topk_prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    topk_sample_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    prompt_logprobs_last_n: int | None = Field(None, ge=1, le=INT64_MAX)
+    target_prompt_logprobs: Any = None
+    prompt_alt_tokens_k: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class SamplingSessionBody(Body):
+    session_id: str | None = Field(None, max_length=256)
     model_path: str | None = None
     base_model: str | None = None
 
@@ -74,6 +80,7 @@ class CreateModelBody(Body):
     base_model: str | None = None
     lora_config: LoraConfig | None = None
     optimizer_config: OptimizerConfig | None = None
+    user_metadata: dict[str, Any] | None = None
 
 
 class ModelBody(Body):
@@ -91,12 +98,48 @@ class OptimStepBody(ModelBody):
 class SaveWeightsBody(ModelBody):
     path: str | None = None
     sampling_session_seq_id: int | None = None
+    overwrite: bool = False
+    ttl_seconds: int | None = Field(None, ge=1, le=10 * 366 * 86400)
 
 
 class LoadWeightsBody(ModelBody):
     path: str | None = None
     optimizer: bool = True
+    session_id: str | None = Field(None, max_length=256)
+    model_seq_id: int | None = Field(None, ge=0, le=INT64_MAX)
+    base_model: str | None = None
+    user_metadata: dict[str, Any] | None = None
+    optimizer_config: OptimizerConfig | None = None
 
 
 class FutureBody(Body):
     request_id: str = ""
+
+
+class PathBody(Body):
+    tinker_path: str = Field("", max_length=1024)
+
+
+class CreateSessionBody(Body):
+    user_metadata: dict[str, Any] | None = None
+    display_name: str | None = Field(None, max_length=1024)
+
+
+class SessionBody(Body):
+    session_id: str = Field("", max_length=256)
+
+
+class FinishReason(Body):
+    type: str = Field("success", max_length=64)
+
+
+class FinishBody(Body):
+    reason: FinishReason | None = None
+    detail: str | None = None
+
+
+class Page(Body):
+    """A listing's query string."""
+
+    limit: int = Field(20, ge=1, le=1000)
+    offset: int = Field(0, ge=0, le=INT64_MAX)

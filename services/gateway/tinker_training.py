@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import re
 import uuid
 from typing import Any
@@ -31,28 +30,28 @@ from schemas.training import (
     Datum,
     ForwardBackwardRequest,
     ForwardBackwardResult,
-    LoadWeightsRequest,
-    LoadWeightsResult,
     OptimStepRequest,
     OptimStepResult,
     SaveWeightsRequest,
     SaveWeightsResult,
 )
 from services.gateway import wire
-from services.gateway.app import gateway_of, parse_body, read_body, read_json
+from services.gateway.app import Scope, gateway_of, parse_body, read_body, read_json
 from services.gateway.backend import (
     RUN_ID,
     GatewayError,
     ModelRef,
     commands_config,
     config_digest,
+    run_id_for,
+    sdk_model_run,
 )
 from services.gateway.futures import Outcome
 from services.gateway.observe import note_run
+from services.gateway.sessions import SESSION_LABEL
 from services.gateway.tinker_api import check_base, sampler_id, sampler_path
 from services.gateway.tinker_bodies import (
     CreateModelBody,
-    LoadWeightsBody,
     ModelBody,
     OptimStepBody,
     SaveWeightsBody,
@@ -62,22 +61,17 @@ router = APIRouter(prefix="/api/v1")
 
 LORA_ALPHA = 32.0
 """Tinker's LoRA scale: alpha 32 at every rank."""
-_STATE_PATH = re.compile(r"^tinker://(run_[A-Za-z0-9_-]{1,64})/weights/([A-Za-z0-9_.-]{1,128})$")
+BASE_LABEL = "tinker.base_model"
+RANK_LABEL = "tinker.rank"
+USER_LABEL = "user."
+"""labels of a Tinker run's config: its base model's name, its rank, the user's metadata"""
 _NAME = re.compile(r"[^A-Za-z0-9_.-]")
-
-
-def run_id_for(session_id: str, model_seq_id: int) -> str:
-    digest = hashlib.sha256(f"{session_id}/{model_seq_id}".encode()).hexdigest()
-    return f"run_tk_{digest[:20]}"
 
 
 def _model_id(model_id: str | None) -> str:
     """The run a request's ``model_id`` names: the run id ``create_model`` answered, or the id
     the SDK derives itself (``<session>:train:<model_seq_id>``) for the same run."""
-    model_id = model_id or ""
-    session, _, seq = model_id.rpartition(":train:")
-    if session and seq.isdigit():
-        return run_id_for(session, int(seq))
+    model_id = sdk_model_run(model_id or "")
     if not RUN_ID.match(model_id):
         raise GatewayError(404, f"unknown model {model_id!r}")
     return model_id
@@ -101,6 +95,71 @@ def _refused(error: str | None) -> None:
 # --- models -----------------------------------------------------------------------------------
 
 
+def check_targets(gateway: Scope, mlp: bool, attn: bool, unembed: bool) -> None:
+    """Refuse LoRA targets other than the deployment's, which every run shares."""
+    left_out = [k for k, on in (("train_mlp", mlp), ("train_attn", attn)) if not on]
+    if unembed != gateway.settings.train_unembed:
+        if unembed:
+            raise GatewayError(
+                400,
+                "train_unembed = True: this deployment puts no LoRA on the unembedding "
+                "(lm_head); pass train_unembed=False, or run the trainer and inference with "
+                "lm_head among --target-modules and the gateway with --train-unembed (plexrl "
+                "up --gateway does)",
+            )
+        left_out.append("train_unembed")
+    if left_out:
+        raise GatewayError(
+            400,
+            f"{', '.join(left_out)} = False: plexrl trains the LoRA targets the trainer was "
+            "started with (--target-modules) for every run",
+        )
+
+
+def run_labels(
+    gateway: Scope, session_id: str, rank: int, user_metadata: dict[str, Any] | None
+) -> dict[str, str]:
+    """What a Tinker run records in its config's labels: its session, base model, rank, and
+    the user's metadata (``user.<key>``)."""
+    metadata = {str(k): str(v) for k, v in (user_metadata or {}).items()}
+    too_long = [k for k, v in metadata.items() if len(k) > 120 or len(v) > 1024]
+    if too_long or len(metadata) > 48:
+        raise GatewayError(
+            400, "user_metadata: at most 48 entries, keys of 120 and values of 1024 characters"
+        )
+    labels = {
+        SESSION_LABEL: session_id[:1024],
+        BASE_LABEL: gateway.settings.base_name()[:1024],
+        RANK_LABEL: str(rank),
+    }
+    return labels | {f"{USER_LABEL}{k}": v for k, v in metadata.items()}
+
+
+def run_config(rank: int, alpha: float, seed: int | None, labels: dict[str, str]) -> dict[str, Any]:
+    """The config of a run trained by Tinker's commands."""
+    config: dict[str, Any] = {
+        "env": "reverse",
+        "max_steps": 10_000_000,
+        "model": {"lora": {"rank": rank, "alpha": alpha}},
+        "labels": labels,
+    }
+    if seed is not None:
+        config["seed"] = seed
+    return commands_config(config)
+
+
+async def created(gateway: Scope, run_id: str, config: dict[str, Any], session_id: str) -> None:
+    """Submit ``run_id`` with ``config`` unless it is active with it already, and record it in
+    its session (whose end evicts it)."""
+    digest = config_digest(config)
+    gateway.sessions.add_run(gateway.tenant, session_id, run_id)
+    row = await gateway.backend.run(run_id)
+    # Active with another config: the id was taken with another rank or seed. Submitting
+    # makes the registry refuse it (and tell its operators); waiting then answers the 400.
+    if row is None or row.status != "active" or row.config_digest not in ("", digest):
+        await gateway.backend.submit(run_id, config, "gateway")
+
+
 @router.post("/create_model")
 async def create_model(request: Request) -> dict[str, Any]:
     gateway = gateway_of(request)
@@ -109,34 +168,17 @@ async def create_model(request: Request) -> dict[str, Any]:
     lora = body.lora_config
     if lora is None:
         raise GatewayError(400, "plexrl trains LoRA adapters: create_model needs a lora_config")
-    left_out = [k for k in ("train_mlp", "train_attn", "train_unembed") if not getattr(lora, k)]
-    if left_out:
-        raise GatewayError(
-            400,
-            f"{', '.join(left_out)} = False: plexrl trains the LoRA targets the trainer was "
-            "started with (--target-modules) for every run",
-        )
+    check_targets(gateway, lora.train_mlp, lora.train_attn, lora.train_unembed)
     optimizer = body.optimizer_config.type if body.optimizer_config else "adamw"
     if optimizer != "adamw":
         raise GatewayError(400, f"optimizer {optimizer!r} is not supported; plexrl uses AdamW")
     run_id = run_id_for(body.session_id, body.model_seq_id)
-    config: dict[str, Any] = {
-        "env": "reverse",
-        "max_steps": 10_000_000,
-        "model": {"lora": {"rank": lora.rank, "alpha": LORA_ALPHA}},
-    }
-    if lora.seed is not None:
-        config["seed"] = lora.seed
-
-    wanted = commands_config(config)
+    labels = run_labels(gateway, body.session_id, lora.rank, body.user_metadata)
+    wanted = run_config(lora.rank, LORA_ALPHA, lora.seed, labels)
     digest = config_digest(wanted)
 
     async def work() -> Outcome:
-        row = await gateway.backend.run(run_id)
-        # Active with another config: the id was taken with another rank or seed. Submitting
-        # makes the registry refuse it (and tell its operators); waiting then answers the 400.
-        if row is None or row.status != "active" or row.config_digest not in ("", digest):
-            await gateway.backend.submit(run_id, wanted, "gateway")
+        await created(gateway, run_id, wanted, body.session_id)
         return Outcome(body={"model_id": run_id, "type": "create_model"})
 
     # A resent request is the same future; the same model id with another config is another.
@@ -151,18 +193,20 @@ async def get_info(request: Request) -> dict[str, Any]:
     model_id = _model_id(parse_body(ModelBody, await read_json(request)).model_id)
     note_run(request, model_id)
     row = await gateway.backend.run(model_id)
-    if row is None or row.status != "active":
+    if row is None or row.status != "active" or row.tenant != gateway.tenant:
         raise GatewayError(404, f"model {model_id!r} is not an active run")
     base = gateway.settings.base_name()
+    rank = row.labels.get(RANK_LABEL, "")
     return {
         "type": "get_info",
         "model_data": {
-            "arch": None,
+            "arch": gateway.codec.arch or None,
             "model_name": base,
-            "tokenizer_id": str(gateway.settings.model),
+            "tokenizer_id": gateway.settings.tokenizer_id(),
         },
         "model_id": model_id,
         "is_lora": True,
+        "lora_rank": int(rank) if rank.isdigit() else None,
         "model_name": base,
     }
 
@@ -203,6 +247,14 @@ async def forward_backward(request: Request) -> dict[str, Any]:
             )
         if not req.data:
             raise GatewayError(400, "forward_backward needs at least one datum")
+        context = gateway.codec.context_len
+        for i, d in enumerate(req.data):
+            if len(d.tokens) > context:
+                raise GatewayError(
+                    400,
+                    f"data[{i}] has {len(d.tokens)} input tokens, more than the model's context "
+                    f"of {context}; split or truncate it",
+                )
         command = ForwardBackwardRequest(
             request_id=request_id,
             run_id=model_id,
@@ -270,68 +322,9 @@ async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
             "type": "save_weights_for_sampler",
         }
         if wants_session:
-            out["sampling_session_id"] = sampler_id(ModelRef(model_id, result.step))
+            out["sampling_session_id"] = sampler_id(ModelRef(model_id, result.step, exact=True))
         return Outcome(body=out)
 
     rid = _future_id("save_weights_for_sampler", model_id, body.seq_id)
-    future_id = gateway.futures.start(rid, work, order=model_id)
-    return {"request_id": future_id, "model_id": model_id}
-
-
-@router.post("/save_weights")
-async def save_weights(request: Request) -> dict[str, Any]:
-    gateway = gateway_of(request)
-    body = parse_body(SaveWeightsBody, await read_json(request))
-    model_id = _model_id(body.model_id)
-    note_run(request, model_id)
-    name = _name(body.path, "")
-
-    async def work() -> Outcome:
-        command = SaveWeightsRequest(request_id=rid, run_id=model_id, kind="state", name=name)
-        result = await gateway.backend.train("save_weights", command, SaveWeightsResult)
-        _refused(result.error)
-        return Outcome(
-            body={"path": f"tinker://{model_id}/weights/{result.path}", "type": "save_weights"}
-        )
-
-    rid = _future_id("save_weights", model_id, body.seq_id)
-    future_id = gateway.futures.start(rid, work, order=model_id)
-    return {"request_id": future_id, "model_id": model_id}
-
-
-@router.post("/load_weights")
-async def load_weights(request: Request) -> dict[str, Any]:
-    gateway = gateway_of(request)
-    body = parse_body(LoadWeightsBody, await read_json(request))
-    if not body.model_id:
-        raise GatewayError(
-            400,
-            "creating a training client from a checkpoint is not supported by plexrl yet (the "
-            "trainer restores a run from its own checkpoints): call load_state on a training "
-            "client of the run that saved it",
-        )
-    model_id = _model_id(body.model_id)
-    note_run(request, model_id)
-    path = body.path or ""
-    match = _STATE_PATH.match(path)
-    if match is None:
-        raise GatewayError(
-            400, f"{path!r} is not a checkpoint path (tinker://<run>/weights/<name>)"
-        )
-    if match.group(1) != model_id:
-        raise GatewayError(
-            400, f"{path} is a checkpoint of {match.group(1)}; plexrl loads a run's own checkpoints"
-        )
-    optimizer = body.optimizer
-
-    async def work() -> Outcome:
-        command = LoadWeightsRequest(
-            request_id=rid, run_id=model_id, path=match.group(2), optimizer=optimizer
-        )
-        result = await gateway.backend.train("load_weights", command, LoadWeightsResult)
-        _refused(result.error)
-        return Outcome(body={"path": path, "model_id": model_id, "type": "load_weights"})
-
-    rid = _future_id("load_weights", model_id, body.seq_id)
     future_id = gateway.futures.start(rid, work, order=model_id)
     return {"request_id": future_id, "model_id": model_id}

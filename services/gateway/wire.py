@@ -229,14 +229,61 @@ def _field_double(number: int, value: float) -> bytes:
     return _put_varint(number << 3 | 1) + struct.pack("<d", value)
 
 
-def encode_sample_response(sequences: list[tuple[list[int], list[float], str]]) -> bytes:
-    """A protobuf ``SampleResponse`` of (tokens, logprobs, stop reason) sequences."""
+TopRows = list[list[tuple[int, float]]]
+"""per position, (token id, log-probability) pairs, most likely first"""
+
+EMPTY_TOP_LOGPROB = -99999.0
+"""what an empty cell of a TopkLogprobs matrix holds (token id 0), as the SDK expects"""
+
+
+@dataclass
+class SampledSequence:
+    """One sequence of a SampleResponse; ``top`` the alternatives at each token (None: not
+    asked for)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    stop: str
+    top: TopRows | None = None
+
+
+def _topk(rows: TopRows, k: int) -> bytes:
+    """A ``TopkLogprobs`` message: dense N x k matrices, empty cells (0, -99999)."""
+    ids = np.zeros((len(rows), k), dtype=np.int32)
+    values = np.full((len(rows), k), EMPTY_TOP_LOGPROB, dtype=np.float32)
+    for i, row in enumerate(rows):
+        for j, (token, logprob) in enumerate(row[:k]):
+            ids[i, j], values[i, j] = token, logprob
+    out = _field_bytes(1, ids.tobytes()) + _field_bytes(2, values.tobytes())
+    return out + _field_varint(3, k) + _field_varint(4, len(rows))
+
+
+def encode_sample_response(
+    sequences: list[SampledSequence] | list[tuple[list[int], list[float], str]],
+    *,
+    prompt_logprobs: list[float | None] | None = None,
+    prompt_top: TopRows | None = None,
+    k_prompt: int = 0,
+    k_sample: int = 0,
+) -> bytes:
+    """A protobuf ``SampleResponse``: the sequences (with their top-``k_sample`` alternatives
+    when they carry them) and, when asked for, the prompt's log-probabilities (NaN where there
+    are none, as at the first token) and its top-``k_prompt`` alternatives."""
     out = bytearray()
-    for tokens, logprobs, stop in sequences:
-        seq = _field_varint(1, STOP_REASONS[stop]) if STOP_REASONS[stop] else b""
-        seq += _field_bytes(2, np.asarray(tokens, dtype=np.int32).tobytes())
-        seq += _field_bytes(3, np.asarray(logprobs, dtype=np.float32).tobytes())
+    for item in sequences:
+        seq_ = item if isinstance(item, SampledSequence) else SampledSequence(*item)
+        stop = STOP_REASONS[seq_.stop]
+        seq = _field_varint(1, stop) if stop else b""
+        seq += _field_bytes(2, np.asarray(seq_.tokens, dtype=np.int32).tobytes())
+        seq += _field_bytes(3, np.asarray(seq_.logprobs, dtype=np.float32).tobytes())
+        if seq_.top is not None and k_sample:
+            seq += _field_bytes(4, _topk(seq_.top, k_sample))
         out += _field_bytes(1, seq)
+    if prompt_logprobs is not None:
+        values = [float("nan") if v is None else v for v in prompt_logprobs]
+        out += _field_bytes(2, np.asarray(values, dtype=np.float32).tobytes())
+    if prompt_top is not None and k_prompt:
+        out += _field_bytes(3, _topk(prompt_top, k_prompt))
     return bytes(out)
 
 

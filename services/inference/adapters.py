@@ -137,6 +137,26 @@ class AdapterBank:
             self._promised[slot] = SlotState(run_id, version)
             return True
 
+    def stage_snapshot(
+        self,
+        slot: int,
+        state: SlotState,
+        tensors: dict[str, torch.Tensor],
+        rank: int,
+        alpha: float,
+    ) -> None:
+        """Stage a snapshot slot (services/inference/snapshots.py) to hold ``state``, whatever it
+        held before."""
+        self.lora.context.check_slot(slot)
+        with self._lock:
+            self._staged[slot] = _Target(state, rank, alpha, tensors)
+            self._promised[slot] = state
+
+    def has_staged(self, slot: int) -> bool:
+        """Whether a target waits to be written into ``slot``."""
+        with self._lock:
+            return slot in self._staged
+
     def forget(self, slot: int) -> None:
         """The slot's run is gone: serve nothing from it until a new run is staged."""
         with self._lock:

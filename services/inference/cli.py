@@ -84,6 +84,7 @@ def build_engine(settings: Any) -> Any:
         return VllmEngine(
             settings.model,
             max_runs=settings.max_runs,
+            max_snapshots=settings.max_snapshots,
             max_lora_rank=settings.max_lora_rank,
             output_dir=settings.output_dir,
             replica_name=settings.replica_name,
@@ -99,6 +100,7 @@ def build_engine(settings: Any) -> Any:
     return TorchEngine(
         settings.model,
         max_runs=settings.max_runs,
+        max_snapshots=settings.max_snapshots,
         max_lora_rank=settings.max_lora_rank,
         target_modules=settings.target_modules,
         device=settings.torch_device(),

@@ -17,7 +17,6 @@ new job, finishes what runs, and leaves the waiting jobs for the next turn).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import threading
 from collections import deque
@@ -25,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas.events import Completion
+from schemas.events import Completion, PromptLogprobs, TopLogprobs
 from services.inference.adapters import AdapterBank
 from services.inference.jobs import InstalledFullWeights, Job, JobResult, SlotChanged
 from services.model.paged_generate import PagedGenerator
@@ -38,7 +37,8 @@ Resolve = Callable[[asyncio.Future[JobResult], JobResult | BaseException], None]
 
 
 def job_specs(job: Job, slot: int) -> list[SequenceSpec]:
-    """The job's sequences, prompt-major (completion j of prompt i at ``i * n + j``)."""
+    """The job's sequences, prompt-major (completion j of prompt i at ``i * n + j``); the first
+    completion of each prompt scores the prompt when the job asks for it."""
     return [
         SequenceSpec(
             prompt_ids=prompt,
@@ -47,22 +47,66 @@ def job_specs(job: Job, slot: int) -> list[SequenceSpec]:
             temperature=job.temperature,
             top_p=job.top_p,
             seed=sequence_seed(job.seed, i, j),
+            top_k=job.top_k,
+            ignore_eos=job.ignore_eos,
+            top_logprobs=job.top_logprobs,
+            score_prompt=job.prompt_logprobs and j == 0,
         )
         for i, prompt in enumerate(job.prompts)
         for j in range(job.n)
     ]
 
 
+def _top(entries: list[list[tuple[int, float]]]) -> list[TopLogprobs]:
+    return [
+        TopLogprobs(token_ids=[i for i, _ in row], logprobs=[v for _, v in row]) for row in entries
+    ]
+
+
 def job_result(job: Job, version: int, outputs: list[SequenceOutput]) -> JobResult:
-    it = iter(outputs)
+    groups = [outputs[i * job.n : (i + 1) * job.n] for i in range(len(job.prompts))]
     completions = [
         [
-            Completion(token_ids=o.token_ids, logprobs=o.logprobs, finish_reason=o.finish_reason)
-            for o in itertools.islice(it, job.n)
+            Completion(
+                token_ids=o.token_ids,
+                logprobs=o.logprobs,
+                finish_reason=o.finish_reason,
+                top_logprobs=_top(o.top_logprobs),
+            )
+            for o in group
         ]
-        for _ in job.prompts
+        for group in groups
     ]
-    return JobResult(policy_version=version, completions=completions)
+    scores = []
+    if job.prompt_logprobs:
+        scores = [
+            PromptLogprobs(
+                logprobs=list(group[0].prompt_logprobs or []),
+                top_logprobs=_top(group[0].prompt_top_logprobs or []),
+            )
+            for group in groups
+        ]
+    return JobResult(policy_version=version, completions=completions, prompt_logprobs=scores)
+
+
+def bound_version(
+    job: Job, bank: AdapterBank, full: InstalledFullWeights | None
+) -> tuple[int, int | None]:
+    """``(slot, version)`` a job would generate with now: its slot (no adapter for the base
+    model or a full-weights run), and the version that serves it, or None when it cannot be
+    served (its slot moved on, or is not at the exact version it asks for)."""
+    if full is not None:  # the base model is the full-weights run's policy, and no other run's
+        version = full.version if full.run_id == job.run_id and job.slot != NO_ADAPTER else None
+        return NO_ADAPTER, version
+    if job.slot == NO_ADAPTER:
+        return NO_ADAPTER, 0
+    state = bank.loaded(job.slot)
+    version = state.version if state is not None and state.run_id == job.run_id else None
+    if version is not None and (
+        version < job.min_version or (job.exact and version != job.min_version)
+    ):
+        version = None
+    return job.slot, version
 
 
 @dataclass(eq=False)
@@ -174,15 +218,8 @@ class ContinuousLoop:
     def _start(self, waiting: Waiting) -> _Admitted | None:
         """Bind a job to the version its slot serves now, or hand it back (resolved)."""
         job = waiting.job
-        full = self.full_weights()
-        if full is None:
-            slot = job.slot
-            state = self.bank.loaded(slot)
-            version = state.version if state is not None and state.run_id == job.run_id else None
-        else:  # the base model is the full-weights run's policy, and no other run's
-            slot = NO_ADAPTER
-            version = full.version if full.run_id == job.run_id else None
-        if version is None or version < job.min_version:
+        slot, version = bound_version(job, self.bank, self.full_weights())
+        if version is None:
             self.resolve(waiting.future, SlotChanged(f"slot {job.slot} moved on from {job.run_id}"))
             return None
         specs = job_specs(job, slot)

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
-from schemas.events import Completion, WeightsReady
+from schemas.events import Completion, PromptLogprobs, WeightsReady
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,12 @@ class Job:
     top_p: float
     min_version: int
     seed: int
+    top_k: int = 0
+    ignore_eos: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: bool = False
+    exact: bool = False
+    """serve ``min_version`` exactly (the slot is then the version's snapshot)"""
 
     @property
     def token_budget(self) -> int:
@@ -51,6 +57,7 @@ class JobResult:
 
     policy_version: int
     completions: list[list[Completion]]
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -127,6 +134,22 @@ class Engine(Protocol):
         """Write ``event``'s full weights into the base model through ``load``, in place, with
         generation held off; False when the engine already holds that run at this version or a
         newer one. ``load``'s WeightsError passes through; ValueError when the engine cannot."""
+
+    def snapshot_slot(self, run_id: str, version: int) -> int | None:
+        """The slot of this engine's snapshot of ``run_id`` at exactly ``version``, if it holds
+        one (a use: the least recently used snapshot is the one dropped for a new one)."""
+
+    async def pin(
+        self,
+        slot: int,
+        run_id: str,
+        version: int,
+        event: WeightsReady | None = None,
+        tensors: dict[str, torch.Tensor] | None = None,
+    ) -> int | None:
+        """Keep a snapshot of ``run_id`` at ``version``: from ``tensors`` (announced by
+        ``event``), or without them a copy of what the run's slot ``slot`` holds if that is
+        exactly ``version``. Its slot, or None when there was nothing to copy."""
 
     async def generate(self, job: Job) -> JobResult:
         """Generate a job; raises :class:`SlotChanged` if the slot moved on meanwhile."""

@@ -45,6 +45,7 @@ from schemas.codec import DecodeError, decode, salvage_id
 from schemas.events import GenerateRequest, GenerateResponse, WeightsReady
 from schemas.tenant import DEFAULT_TENANT
 from services.bus import Bus, flushed, tracing
+from services.inference.exact import ExactVersions
 from services.inference.jobs import Engine, Job, JobResult, LoadInto, SlotChanged
 from services.inference.progress import ProgressBeacon
 from services.inference.requests import (
@@ -57,6 +58,7 @@ from services.inference.requests import (
     send_reply,
 )
 from services.inference.weights_follower import WeightsFollower
+from services.model.routing import NO_ADAPTER
 from services.runs.mirror import RunMirror
 from services.telemetry.metrics import record_request_served, record_weight_sync
 from services.weights.collective import CollectiveReceiver
@@ -111,6 +113,7 @@ class InferenceService:
             fetchers=fetchers,
             tenant_of=self.mirror.tenant_of,
         )
+        self.exact = ExactVersions(bus, engine, self.follower.load)
         self.served: Counter[str] = Counter()
         """Requests answered with completions, per run."""
         self.errors = 0
@@ -375,6 +378,7 @@ class InferenceService:
             run_id=req.run_id,
             policy_version=result.policy_version,
             completions=result.completions,
+            prompt_logprobs=result.prompt_logprobs,
         )
 
     async def _generate(
@@ -390,6 +394,8 @@ class InferenceService:
                     f"inference replica {self.replica_name} is shutting down; send the request "
                     "again (another replica can serve it)"
                 )
+            if req.base_model:
+                return NO_ADAPTER, await self._generate_base(req, seed, beacon)
             slot = await self._slot_of(req.run_id)
             if slot is None:
                 raise RequestFailed(
@@ -410,19 +416,11 @@ class InferenceService:
                     "to replicas that do not follow a full-weights trainer"
                 )
             version = self.engine.available_version(slot, req.run_id)
-            if version is not None and version >= req.min_policy_version:
-                job = Job(
-                    request_id=req.request_id,
-                    run_id=req.run_id,
-                    slot=slot,
-                    prompts=req.prompts,
-                    n=req.n,
-                    max_tokens=req.max_tokens,
-                    temperature=req.temperature,
-                    top_p=req.top_p,
-                    min_version=req.min_policy_version,
-                    seed=seed,
-                )
+            serving: int | None = slot
+            if req.exact_version:
+                serving = await self.exact.slot(req, slot, version, owner or DEFAULT_TENANT)
+            if serving is not None and version is not None and version >= req.min_policy_version:
+                job = _job(req, serving, seed)
                 if beacon is not None:
                     beacon.state = "generating"
                 try:
@@ -445,8 +443,44 @@ class InferenceService:
             except TimeoutError:
                 pass
 
+    async def _generate_base(
+        self, req: GenerateRequest, seed: int, beacon: ProgressBeacon | None
+    ) -> JobResult:
+        """The base model's completions (no adapter, no run): version 0 of every run."""
+        full = self.engine.full_weights
+        if full is not None:
+            raise RequestFailed(
+                f"inference replica {self.replica_name} cannot serve the base model: its base "
+                f"model carries the full weights of {full.run_id} (trained with --full-weights); "
+                "send base-model requests to replicas that do not follow a full-weights trainer"
+            )
+        if beacon is not None:
+            beacon.state = "generating"
+        return await self.engine.generate(_job(req, NO_ADAPTER, seed))
+
     async def _reply(self, msg: Msg, response: GenerateResponse, headers: dict[str, str]) -> None:
         try:
             await send_reply(self.bus.nc, msg.reply, response, headers, self.replica_name)
         except Exception as exc:  # the requester's connection may be gone; nothing to retry
             log.warning("could not reply to %s: %s", response.request_id or "?", exc)
+
+
+def _job(req: GenerateRequest, slot: int, seed: int) -> Job:
+    """The engine's job of ``req``, served from ``slot``."""
+    return Job(
+        request_id=req.request_id,
+        run_id=req.run_id,
+        slot=slot,
+        prompts=req.prompts,
+        n=req.n,
+        max_tokens=req.max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        min_version=req.min_policy_version,
+        seed=seed,
+        top_k=req.top_k,
+        ignore_eos=req.ignore_eos,
+        top_logprobs=req.top_logprobs,
+        prompt_logprobs=req.prompt_logprobs,
+        exact=req.exact_version,
+    )

@@ -37,6 +37,13 @@ class InferenceSettings(BaseModel):
         ..., description="Hugging Face model directory (`plexrl model tiny DIR` writes one)"
     )
     max_runs: int = Field(4, ge=1, le=4096, description="adapter slots: the registry's max_runs")
+    max_snapshots: int = Field(
+        8,
+        ge=0,
+        le=4096,
+        description="adapter slots beyond the runs' that keep exact versions for sampling "
+        "clients of saved weights (run_x@N); the least recently used is dropped for a new one",
+    )
     max_lora_rank: int = Field(
         DEFAULT_MAX_LORA_RANK,
         ge=1,

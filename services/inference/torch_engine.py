@@ -40,10 +40,16 @@ import torch
 
 from schemas.events import WeightsReady
 from services.inference.adapters import AdapterBank, Applied
-from services.inference.continuous import ContinuousLoop, Waiting, job_result, job_specs
+from services.inference.continuous import (
+    ContinuousLoop,
+    Waiting,
+    bound_version,
+    job_result,
+    job_specs,
+)
 from services.inference.jobs import InstalledFullWeights, Job, JobResult, LoadInto, SlotChanged
+from services.inference.snapshots import Snapshots
 from services.model.paged_generate import PagedGenerator
-from services.model.routing import NO_ADAPTER
 from services.model.sampling import SequenceSpec, eos_token_ids, generate_batch
 from services.weights.errors import WeightsError
 
@@ -74,9 +80,12 @@ class TorchEngine:
         max_num_seqs: int = 256,
         paged: bool = True,
         cuda_graphs: bool = True,
+        max_snapshots: int = 0,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.max_runs = max_runs
+        self.max_snapshots = max_snapshots
+        self.snapshots: Snapshots | None = None
         self.max_lora_rank = max_lora_rank
         self.target_modules = None if target_modules is None else tuple(target_modules)
         """the modules given, None for the model family's default; the LoRA layers, once
@@ -144,8 +153,10 @@ class TorchEngine:
         # full-weights trainer publishes (tied weights once); the wrapped linears keep these very
         # tensors.
         self._base_params = {name: p.data for name, p in model.named_parameters()}
-        self.lora = MultiLoRA.attach(model, self.max_runs, self.max_lora_rank, self.target_modules)
+        slots = self.max_runs + self.max_snapshots
+        self.lora = MultiLoRA.attach(model, slots, self.max_lora_rank, self.target_modules)
         self.bank = AdapterBank(self.lora, on_applied=self._on_applied)
+        self.snapshots = Snapshots(self.bank, self.max_runs, self.max_snapshots)
         config = model.config
         self.vocab_size = int(config.vocab_size)
         self.max_model_len = int(getattr(config, "max_position_embeddings", 0) or 1 << 20)
@@ -203,6 +214,8 @@ class TorchEngine:
     def remove_run(self, slot: int, run_id: str) -> None:
         # Deletion hooks run before creation hooks, so whatever the slot holds is this run's.
         self._bank().forget(slot)
+        if self.snapshots is not None:
+            self.snapshots.forget_run(run_id)
         full = self.full_weights
         if full is not None and full.run_id == run_id and full.version is not None:
             # The parameters stay what they are: a run of the same id created again must not be
@@ -240,6 +253,30 @@ class TorchEngine:
         if staged:
             self._staged()
         return staged
+
+    def snapshot_slot(self, run_id: str, version: int) -> int | None:
+        return None if self.snapshots is None else self.snapshots.slot_of(run_id, version)
+
+    async def pin(
+        self,
+        slot: int,
+        run_id: str,
+        version: int,
+        event: WeightsReady | None = None,
+        tensors: dict[str, torch.Tensor] | None = None,
+    ) -> int | None:
+        snapshots = self.snapshots
+        if snapshots is None or self.full_weights is not None:
+            return None
+        if tensors is None or event is None:
+            pinned = await snapshots.pin_copy(slot, run_id, version)
+        else:
+            pinned = await snapshots.pin_tensors(
+                run_id, version, tensors, event.lora.rank, event.lora.alpha
+            )
+        if pinned is not None:
+            self._staged()
+        return pinned
 
     async def install_full(self, event: WeightsReady, load: LoadInto) -> bool:
         # The lock waits for the running batch and keeps the next one from starting; a
@@ -400,16 +437,8 @@ class TorchEngine:
         specs: list[SequenceSpec] = []
         versions: list[int] = []
         for job in jobs:
-            if full is None:
-                slot = job.slot
-                state = bank.loaded(slot)
-                version = (
-                    state.version if state is not None and state.run_id == job.run_id else None
-                )
-            else:  # the base model is the full-weights run's policy, and no other run's
-                slot = NO_ADAPTER
-                version = full.version if full.run_id == job.run_id else None
-            if version is None or version < job.min_version:
+            slot, version = bound_version(job, bank, full)
+            if version is None:
                 outcomes.append(SlotChanged(f"slot {job.slot} moved on from {job.run_id}"))
                 versions.append(-1)
                 continue

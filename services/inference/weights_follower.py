@@ -253,6 +253,13 @@ class WeightsFollower:
                 touched=touched,
             )
 
+    async def load(self, event: WeightsReady, tenant: str) -> dict[str, Any]:
+        """The adapter tensors ``event`` (announced by ``tenant``) names, fetched and checked
+        against its digest (for a snapshot of an older version: services/inference/exact.py)."""
+        return await load_weights(
+            self.bus, event, self.output_dir, fetchers=self.fetchers, tenant=tenant
+        )
+
     async def _install_full(self, event: WeightsReady, tenant: str) -> None:
         if self.install_full is None:
             raise ValueError(

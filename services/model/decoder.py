@@ -153,10 +153,11 @@ class PagedDecoder:
                     )
                 h = h + attn.o_proj(o.reshape(o.shape[0], -1))
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
+            # inside the adapters' routing: lm_head may carry LoRA (train_unembed)
+            return self.lm_head(self.norm(h))
         finally:
             if context is not None:
                 context.set_gather_slots(None)
-        return self.lm_head(self.norm(h))
 
     # --- prefill --------------------------------------------------------------------------------
 
@@ -165,9 +166,12 @@ class PagedDecoder:
         prompts: list[list[int]],
         block_tables: torch.Tensor,
         slot_ids: list[int],
+        every_position: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Logits [n, V] of each prompt's last token; writes every prompt token's keys and values
-        into the blocks of ``block_tables`` [n, max_blocks]."""
+        into the blocks of ``block_tables`` [n, max_blocks]. The logits of every position [len,
+        V] of the prompts whose index is a key of ``every_position`` are put there (their
+        scores: services/model/scoring.py)."""
         cache = self.cache
         device = block_tables.device
         n, width = len(prompts), max(len(p) for p in prompts)
@@ -199,5 +203,12 @@ class PagedDecoder:
                 )
                 h = h + attn.o_proj(o.transpose(1, 2).reshape(n, width, -1))
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
-        last = h[torch.arange(n, device=device), lengths - 1]
-        return self.lm_head(self.norm(last))
+            # inside the adapters' routing: lm_head may carry LoRA (train_unembed)
+            last = self.lm_head(self.norm(h[torch.arange(n, device=device), lengths - 1]))
+        if every_position is not None:
+            for i in list(every_position):
+                one = self.lora.use([slot_ids[i]]) if self.lora is not None else nullcontext()
+                with one:
+                    rows = self.lm_head(self.norm(h[i : i + 1, : len(prompts[i])]))
+                every_position[i] = rows[0]
+        return last

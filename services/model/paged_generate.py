@@ -15,6 +15,10 @@ synchronisation) and the bookkeeping of what finished. Rows left empty by finish
 compute garbage on the scratch block until a new sequence takes them or the active rows are
 compacted into a smaller bucket.
 
+Each row also carries its ``top_k``; a step computes the most likely tokens of every row (the
+row's ``top_logprobs`` of them are kept) only while some active row asks for them, and a
+prompt asked to be scored gets the logits of all its positions from its prefill (scoring.py).
+
 Sampling is the static sampler's (sampling.py), with the same streams: each sequence's uniform
 numbers are drawn up front from its seeded CPU generator (``torch.rand(max_tokens)`` gives the
 numbers that many one-at-a-time draws give) and read on the device by step. A sequence therefore
@@ -40,9 +44,11 @@ from services.model.sampling import (
     SequenceSpec,
     StepHook,
     _generator,
+    draw,
     model_device,
-    sample_with_uniforms,
+    sampled_logprobs,
 )
+from services.model.scoring import MAX_TOP, TopEntries, prompt_scores, rows_of
 
 
 @dataclass(eq=False)
@@ -68,15 +74,18 @@ class _State:
         )
         self.temperature = torch.ones(rows, dtype=torch.float32, device=device)
         self.top_p = torch.ones(rows, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(rows, dtype=torch.long, device=device)
         self.uniforms = torch.zeros(rows, width, dtype=torch.float32, device=device)
         self.drawn = torch.zeros(rows, dtype=torch.long, device=device)
         self.out_tokens = torch.zeros(rows, dtype=torch.long, device=device)
         self.out_logprobs = torch.zeros(rows, dtype=torch.float32, device=device)
+        self.out_top_ids = torch.zeros(rows, MAX_TOP, dtype=torch.long, device=device)
+        self.out_top_logprobs = torch.zeros(rows, MAX_TOP, dtype=torch.float32, device=device)
 
     def per_row(self) -> list[torch.Tensor]:
         return [
             self.input_ids, self.positions, self.slot_ids, self.block_tables, self.temperature,
-            self.top_p, self.uniforms, self.drawn,
+            self.top_p, self.top_k, self.uniforms, self.drawn,
         ]  # fmt: skip
 
 
@@ -151,6 +160,8 @@ class PagedGenerator:
                 raise ValueError("every prompt needs at least one token (start it with <bos>)")
             if spec.max_tokens < 1:
                 raise ValueError(f"max_tokens must be at least 1, got {spec.max_tokens}")
+            if not 0 <= spec.top_logprobs <= MAX_TOP:
+                raise ValueError(f"top_logprobs must be 0..{MAX_TOP}, got {spec.top_logprobs}")
             if len(spec.prompt_ids) + spec.max_tokens > self.max_seq_len:
                 raise ValueError(
                     f"a prompt of {len(spec.prompt_ids)} tokens plus {spec.max_tokens} new ones "
@@ -209,23 +220,34 @@ class PagedGenerator:
         st.slot_ids.index_copy_(0, rows_t, torch.tensor([s.slot for s in specs], device=device))
         temperature = torch.tensor([s.temperature for s in specs], device=device)
         top_p = torch.tensor([s.top_p for s in specs], device=device)
+        top_k = torch.tensor([s.top_k for s in specs], dtype=torch.long, device=device)
         st.temperature.index_copy_(0, rows_t, temperature)
         st.top_p.index_copy_(0, rows_t, top_p)
+        st.top_k.index_copy_(0, rows_t, top_k)
+        scored = {i: torch.empty(0) for i, s in enumerate(specs) if s.score_prompt}
         logits = self.decoder.prefill(
-            [list(s.prompt_ids) for s in specs], table.to(device), [s.slot for s in specs]
+            [list(s.prompt_ids) for s in specs],
+            table.to(device),
+            [s.slot for s in specs],
+            every_position=scored,
         )
-        tokens, logprobs = sample_with_uniforms(
-            logits,
-            temperature,
-            top_p,
-            uniforms[:, 0].to(device),
-            nucleus=any(s.top_p < 1.0 for s in specs),
-        )
+        for i, rows in scored.items():
+            spec, out = specs[i], seqs[i].output
+            out.prompt_logprobs, top = prompt_scores(rows, spec.prompt_ids, spec.top_logprobs)
+            out.prompt_top_logprobs = top if spec.top_logprobs else None
+        filtered = any(s.top_p < 1.0 or s.top_k > 0 for s in specs)
+        logprobs_BV = sampled_logprobs(logits, temperature, top_p, filtered, top_k)
+        tokens, logprobs = draw(logprobs_BV, temperature, uniforms[:, 0].to(device))
+        k = max(s.top_logprobs for s in specs)
+        tops = None
+        if k:
+            values, ids = logprobs_BV.topk(min(k, logprobs_BV.shape[-1]), dim=-1)
+            tops = rows_of(ids.tolist(), values.tolist(), k)
         st.input_ids.index_copy_(0, rows_t, tokens)
         prompt_lengths = torch.tensor([len(s.prompt_ids) for s in specs], device=device)
         st.positions.index_copy_(0, rows_t, prompt_lengths)
         st.drawn.index_fill_(0, rows_t, 1)
-        self._record(seqs, tokens.tolist(), logprobs.tolist())
+        self._record(seqs, tokens.tolist(), logprobs.tolist(), tops)
         return seqs
 
     def _grow_uniforms(self, width: int) -> None:
@@ -249,7 +271,9 @@ class PagedGenerator:
             self._compact()
             span = count
         bucket = bucket_for(span, self.max_seqs)
-        nucleus = any(seq.spec.top_p < 1.0 for seq in self.rows[:span] if seq is not None)
+        live = [seq for seq in self.rows[:span] if seq is not None]
+        nucleus = any(seq.spec.top_p < 1.0 or seq.spec.top_k > 0 for seq in live)
+        top = any(seq.spec.top_logprobs > 0 for seq in live)
         pages: int | None = None
         if not self.decoder.triton_attention:
             longest = max(
@@ -259,22 +283,29 @@ class PagedGenerator:
             )
             # A captured step reads a fixed number of blocks: round up to a power of two.
             pages = min(self.pages, bucket_for(self.cache.blocks_for(longest), 1 << 30))
-        self.graphs.run((bucket, nucleus, pages))
+        self.graphs.run((bucket, nucleus, pages, top))
         self.num_steps += 1
         st = self.state
         self._host_tokens[:bucket].copy_(st.out_tokens[:bucket], non_blocking=True)
         self._host_logprobs[:bucket].copy_(st.out_logprobs[:bucket], non_blocking=True)
+        top_rows = None
+        if top:  # rare: copied only while a row asks for alternatives
+            top_rows = (st.out_top_ids[:bucket].cpu(), st.out_top_logprobs[:bucket].cpu())
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         tokens = self._host_tokens[:bucket].tolist()
         logprobs = self._host_logprobs[:bucket].tolist()
         active = [seq for seq in self.rows[:span] if seq is not None]
+        tops = None
+        if top_rows is not None:
+            ids, values = top_rows[0].tolist(), top_rows[1].tolist()
+            tops = rows_of([ids[s.row] for s in active], [values[s.row] for s in active], MAX_TOP)
         return self._record(
-            active, [int(tokens[s.row]) for s in active], [logprobs[s.row] for s in active]
+            active, [int(tokens[s.row]) for s in active], [logprobs[s.row] for s in active], tops
         )
 
     def _decode_step(self, key: Hashable) -> None:
-        bucket, nucleus, pages = cast(tuple[int, bool, int | None], key)
+        bucket, nucleus, pages, top = cast(tuple[int, bool, int | None, bool], key)
         st = self.state
         lora_slots = st.slot_ids[:bucket] if self.lora is not None else None
         logits = self.decoder.decode(
@@ -286,9 +317,14 @@ class PagedGenerator:
         )
         drawn = st.drawn[:bucket].clamp(max=self._width - 1).unsqueeze(1)
         uniform = st.uniforms[:bucket].gather(1, drawn).squeeze(1)
-        tokens, logprobs = sample_with_uniforms(
-            logits, st.temperature[:bucket], st.top_p[:bucket], uniform, nucleus=nucleus
+        logprobs_BV = sampled_logprobs(
+            logits, st.temperature[:bucket], st.top_p[:bucket], nucleus, st.top_k[:bucket]
         )
+        tokens, logprobs = draw(logprobs_BV, st.temperature[:bucket], uniform)
+        if top:
+            values, ids = logprobs_BV.topk(min(MAX_TOP, logprobs_BV.shape[-1]), dim=-1)
+            st.out_top_ids[:bucket, : ids.shape[1]].copy_(ids)
+            st.out_top_logprobs[:bucket, : values.shape[1]].copy_(values)
         st.out_tokens[:bucket].copy_(tokens)
         st.out_logprobs[:bucket].copy_(logprobs)
         st.input_ids[:bucket].copy_(tokens)
@@ -296,14 +332,20 @@ class PagedGenerator:
         st.drawn[:bucket].add_(1)
 
     def _record(
-        self, seqs: list[ActiveSequence], tokens: list[int], logprobs: list[float]
+        self,
+        seqs: list[ActiveSequence],
+        tokens: list[int],
+        logprobs: list[float],
+        tops: list[TopEntries] | None = None,
     ) -> list[ActiveSequence]:
         finished = []
-        for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
+        for i, (seq, token, logprob) in enumerate(zip(seqs, tokens, logprobs, strict=True)):
             out = seq.output
             out.token_ids.append(token)
             out.logprobs.append(float(logprob))
-            if token in self.eos:
+            if seq.spec.top_logprobs and tops is not None:
+                out.top_logprobs.append(tops[i][: seq.spec.top_logprobs])
+            if token in self.eos and not seq.spec.ignore_eos:
                 out.finish_reason = "stop"
             elif len(out.token_ids) >= seq.spec.max_tokens:
                 out.finish_reason = "length"

@@ -28,7 +28,8 @@ with logits z (one per vocabulary entry), temperature T > 0 and nucleus mass p:
 
 where N_p holds the most probable tokens, in decreasing order of probability, up to and
 including the first one at which their cumulative probability reaches p (so N_p is never
-empty). The token is drawn from q by inverse-CDF sampling with one uniform number from the
+empty). A row with top-k (k > 0) first keeps its k most probable tokens (ties broken by the
+sort), renormalises, and then takes the nucleus of that: vLLM's order. The token is drawn from q by inverse-CDF sampling with one uniform number from the
 row's own ``torch.Generator``, and the returned log-probability is log q(token): the
 distribution actually sampled from. With p = 1 that is exactly the trainer's
 ``log_softmax(logits / temperature)``; with p < 1 it is the renormalised nucleus, which the
@@ -54,25 +55,33 @@ import torch
 
 from services.envs.prompts import end_of_turn_ids
 from services.model.lora import MultiLoRA
+from services.model.scoring import prompt_scores, top_entries
 
 GREEDY = 0.0
 
 
 def nucleus_logprobs(
-    logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_p_B: torch.Tensor
+    logits_BV: torch.Tensor,
+    temperature_B: torch.Tensor,
+    top_p_B: torch.Tensor,
+    top_k_B: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """log q for every row: temperature-scaled, restricted to the top-p nucleus, renormalised.
+    """log q for every row: temperature-scaled, restricted to the top-k tokens (k > 0) and the
+    top-p nucleus, renormalised.
 
     Rows with temperature 0 are scaled by 1 (their log q is only used for the argmax).
     """
     logprobs_BV = _scaled_logprobs(logits_BV, temperature_B)
-    needs_nucleus = top_p_B < 1.0
-    if not bool(needs_nucleus.any()):
+    needs_filter = top_p_B < 1.0
+    if top_k_B is not None:
+        needs_filter = needs_filter | (top_k_B > 0)
+    if not bool(needs_filter.any()):
         # Skipping the filter when p = 1 matters: a cumulative sum can round to 1.0 before the
         # last token and would cut a tail that log_softmax keeps.
         return logprobs_BV
-    rows = needs_nucleus.nonzero().squeeze(1)
-    filtered_BV = _nucleus(logprobs_BV.index_select(0, rows), top_p_B.index_select(0, rows))
+    rows = needs_filter.nonzero().squeeze(1)
+    top_k = None if top_k_B is None else top_k_B.index_select(0, rows)
+    filtered_BV = _nucleus(logprobs_BV.index_select(0, rows), top_p_B.index_select(0, rows), top_k)
     return logprobs_BV.index_copy(0, rows, filtered_BV)
 
 
@@ -81,11 +90,23 @@ def _scaled_logprobs(logits_BV: torch.Tensor, temperature_B: torch.Tensor) -> to
     return torch.log_softmax(logits_BV.float() / scale_B.unsqueeze(1), dim=-1)
 
 
-def _nucleus(logprobs_BV: torch.Tensor, top_p_B: torch.Tensor) -> torch.Tensor:
+def _nucleus(
+    logprobs_BV: torch.Tensor, top_p_B: torch.Tensor, top_k_B: torch.Tensor | None = None
+) -> torch.Tensor:
     sorted_BV, order_BV = torch.sort(logprobs_BV, dim=-1, descending=True)
     probs_BV = sorted_BV.exp()
+    if top_k_B is None:
+        drop_sorted_BV = torch.zeros_like(sorted_BV, dtype=torch.bool)
+    else:
+        rank_V = torch.arange(sorted_BV.shape[1], device=sorted_BV.device)
+        k_B1 = top_k_B.unsqueeze(1)
+        drop_sorted_BV = (k_B1 > 0) & (rank_V.unsqueeze(0) >= k_B1)
+        # the nucleus of the top-k tokens renormalised (rows without top-k keep their mass)
+        kept_BV = torch.softmax(sorted_BV.masked_fill(drop_sorted_BV, float("-inf")), dim=-1)
+        probs_BV = torch.where(k_B1 > 0, kept_BV, probs_BV)
     mass_before_BV = torch.cumsum(probs_BV, dim=-1) - probs_BV
-    drop_sorted_BV = mass_before_BV >= top_p_B.unsqueeze(1)
+    nucleus_B1 = (top_p_B < 1.0).unsqueeze(1)
+    drop_sorted_BV = drop_sorted_BV | (nucleus_B1 & (mass_before_BV >= top_p_B.unsqueeze(1)))
     drop_sorted_BV[:, 0] = False
     drop_BV = torch.zeros_like(drop_sorted_BV).scatter(1, order_BV, drop_sorted_BV)
     return torch.log_softmax(logprobs_BV.masked_fill(drop_BV, float("-inf")), dim=-1)
@@ -98,15 +119,39 @@ def sample_with_uniforms(
     uniform_B: torch.Tensor,
     *,
     nucleus: bool,
+    top_k_B: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sample_rows` on tensors alone: no host synchronisation, so a captured decode step
     can run it. ``uniform_B`` holds each row's uniform number (drawn from its generator
-    beforehand); ``nucleus`` False promises every ``top_p`` is 1 (the filter is skipped, as
-    :func:`nucleus_logprobs` skips it), True filters the rows whose ``top_p`` is below 1."""
+    beforehand); ``nucleus`` False promises every ``top_p`` is 1 and every ``top_k`` 0 (the
+    filter is skipped, as :func:`nucleus_logprobs` skips it), True filters the rows whose
+    ``top_p`` is below 1 or whose ``top_k`` is above 0."""
+    logprobs_BV = sampled_logprobs(logits_BV, temperature_B, top_p_B, nucleus, top_k_B)
+    return _draw(logprobs_BV, temperature_B <= GREEDY, uniform_B)
+
+
+def sampled_logprobs(
+    logits_BV: torch.Tensor,
+    temperature_B: torch.Tensor,
+    top_p_B: torch.Tensor,
+    nucleus: bool,
+    top_k_B: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """log q of every row (:func:`sample_with_uniforms`' distribution), without a host
+    synchronisation; :func:`draw` samples from it."""
     logprobs_BV = _scaled_logprobs(logits_BV, temperature_B)
     if nucleus:
         needs_B1 = (top_p_B < 1.0).unsqueeze(1)
-        logprobs_BV = torch.where(needs_B1, _nucleus(logprobs_BV, top_p_B), logprobs_BV)
+        if top_k_B is not None:
+            needs_B1 = needs_B1 | (top_k_B > 0).unsqueeze(1)
+        logprobs_BV = torch.where(needs_B1, _nucleus(logprobs_BV, top_p_B, top_k_B), logprobs_BV)
+    return logprobs_BV
+
+
+def draw(
+    logprobs_BV: torch.Tensor, temperature_B: torch.Tensor, uniform_B: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of ``logprobs_BV`` (from :func:`sampled_logprobs`) and its log q."""
     return _draw(logprobs_BV, temperature_B <= GREEDY, uniform_B)
 
 
@@ -132,6 +177,7 @@ def sample_rows(
     temperatures: Sequence[float],
     top_ps: Sequence[float],
     generators: Sequence[torch.Generator | None],
+    top_ks: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row and its log-probability under the distribution it was drawn from.
 
@@ -149,7 +195,8 @@ def sample_rows(
     device = logits_BV.device
     temperature_B = torch.tensor(temperatures, dtype=torch.float32, device=device)
     top_p_B = torch.tensor(top_ps, dtype=torch.float32, device=device)
-    logprobs_BV = nucleus_logprobs(logits_BV, temperature_B, top_p_B)
+    top_k_B = None if top_ks is None else torch.tensor(top_ks, dtype=torch.long, device=device)
+    logprobs_BV = nucleus_logprobs(logits_BV, temperature_B, top_p_B, top_k_B)
     uniforms = [
         float(torch.rand((), generator=gen)) if temp > GREEDY else 0.0
         for temp, gen in zip(temperatures, generators, strict=True)
@@ -184,16 +231,29 @@ class SequenceSpec:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    top_k: int = 0
+    """sample among the ``top_k`` most likely tokens (0: all)"""
+    ignore_eos: bool = False
+    """generate ``max_tokens`` tokens, through end-of-sequence tokens"""
+    top_logprobs: int = 0
+    """the most likely tokens to report at each sampled position (and prompt position, with
+    ``score_prompt``)"""
+    score_prompt: bool = False
+    """score the prompt's own tokens (services/model/scoring.py)"""
 
 
 @dataclass
 class SequenceOutput:
     """Sampled tokens, the log-probability of each under the distribution it came from, and why
-    the sequence ended."""
+    the sequence ended; with the spec's ``top_logprobs``, the most likely tokens at each sampled
+    position, and with ``score_prompt`` the prompt's scores (scoring.py)."""
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: Literal["stop", "length"] = "length"
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 StepHook = Callable[[Collection[int]], object]
@@ -273,6 +333,8 @@ def generate_batch(
     cache = DynamicCache()
     cache_kw = cache_keyword(model)
     first_step = True
+    width = input_ids_BL.shape[1]
+    scoring = any(s.score_prompt for s in specs)
     while active:
         if step_hook is not None and not first_step:
             step_hook({specs[i].slot for i in active})
@@ -282,17 +344,38 @@ def generate_batch(
                 attention_mask=mask_BL,
                 position_ids=position_ids_BL,
                 use_cache=True,
-                logits_to_keep=1,
+                logits_to_keep=0 if first_step and scoring else 1,
                 **{cache_kw: cache},
             )
         cache = getattr(out, cache_kw)  # the same DynamicCache, grown, for Hugging Face models
+        if first_step:
+            for i, spec in enumerate(specs):
+                if spec.score_prompt:  # left-padded: the prompt is the last len(prompt) rows
+                    rows = out.logits[i, width - len(spec.prompt_ids) :]
+                    logprobs, top = prompt_scores(rows, spec.prompt_ids, spec.top_logprobs)
+                    outputs[i].prompt_logprobs = logprobs
+                    outputs[i].prompt_top_logprobs = top if spec.top_logprobs else None
         first_step = False
+        logits_BV = out.logits[:, -1, :]
+        temperatures = [specs[i].temperature for i in active]
+        top_ps = [specs[i].top_p for i in active]
+        top_ks = [specs[i].top_k for i in active]
         tokens_B, logprobs_B = sample_rows(
-            out.logits[:, -1, :],
-            [specs[i].temperature for i in active],
-            [specs[i].top_p for i in active],
-            [generators[i] for i in active],
+            logits_BV, temperatures, top_ps, [generators[i] for i in active], top_ks
         )
+        k = max(specs[i].top_logprobs for i in active)
+        tops: list[list[tuple[int, float]]] = [[] for _ in active]
+        if k:
+            device_t = logits_BV.device
+            tops = top_entries(
+                nucleus_logprobs(
+                    logits_BV,
+                    torch.tensor(temperatures, device=device_t),
+                    torch.tensor(top_ps, device=device_t),
+                    torch.tensor(top_ks, device=device_t),
+                ),
+                k,
+            )
         keep: list[int] = []
         for row, (seq, token, logprob) in enumerate(
             zip(active, tokens_B.tolist(), logprobs_B.tolist(), strict=True)
@@ -300,7 +383,9 @@ def generate_batch(
             output = outputs[seq]
             output.token_ids.append(token)
             output.logprobs.append(logprob)
-            if token in eos:
+            if specs[seq].top_logprobs:
+                output.top_logprobs.append(tops[row][: specs[seq].top_logprobs])
+            if token in eos and not specs[seq].ignore_eos:
                 output.finish_reason = "stop"
             elif len(output.token_ids) >= specs[seq].max_tokens:
                 output.finish_reason = "length"

@@ -65,10 +65,18 @@ def visible_rows(
                 updated_at=max(rec.updated_at, p.updated_at if p else 0.0),
                 detail=(rec.error or rec.reason)[:1000],
                 config_digest=rec.config_digest,
+                labels=_labels(rec),
             )
         )
     rows.sort(key=lambda r: (_ORDER.get(r.status, 9), -1 if r.idx is None else r.idx, r.run_id))
     return rows
+
+
+def _labels(rec: RunRecord) -> dict[str, str]:
+    labels = (rec.config or {}).get("labels")
+    if not isinstance(labels, dict):
+        return {}
+    return {str(k): str(v) for k, v in labels.items()}
 
 
 class RunListService:

@@ -76,8 +76,14 @@ class Removals:
         self.pool.dequeue(run_id)
         by = f" (requested by {requested_by})" if requested_by else ""
         log.warning("registry: %s evicted%s: %s", run_id, by, reason)
+        # The config stays with the record: the run list shows an evicted run's labels (the
+        # Tinker API finds a finished session's runs and their checkpoints by them).
         new = rec.next(
-            "evicted", reason=reason, released_idx=released, config_digest=rec.config_digest
+            "evicted",
+            reason=reason,
+            released_idx=released,
+            config_digest=rec.config_digest,
+            config=rec.config,
         )
         await self.ledger.commit(new)
         await self.ledger.settle()  # the freed index goes to the oldest waiting run

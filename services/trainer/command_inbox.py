@@ -2,13 +2,15 @@
 
 :class:`CommandInbox` subscribes to ``plexrl.train.>``, decodes each request, answers at once
 what does not decode or comes on a subject that names no command (with the request id it could
-read), and queues the rest for the trainer's next step boundary, where
-:class:`~services.trainer.commands.CommandRunner` executes them. See
+read), answers ``checkpoints`` requests at once (they touch run directories, not the model:
+:mod:`services.trainer.checkpoint_files`), and queues the rest for the trainer's next step
+boundary, where :class:`~services.trainer.commands.CommandRunner` executes them. See
 :mod:`services.trainer.commands` for what each command does and which checks apply.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +24,8 @@ from schemas.events import ServiceError
 from schemas.training import (
     TRAIN_COMMANDS,
     TRAIN_WILDCARD,
+    CheckpointsRequest,
+    CheckpointsResult,
     ForwardBackwardResult,
     LoadWeightsResult,
     OptimStepResult,
@@ -31,6 +35,7 @@ from schemas.training import (
     parse_train_subject,
 )
 from services.bus import Bus, flushed, tracing
+from services.trainer.checkpoint_files import CheckpointFiles
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +56,7 @@ _RESULTS: dict[str, Callable[..., TrainResult]] = {
     "optim_step": OptimStepResult,
     "save_weights": SaveWeightsResult,
     "load_weights": LoadWeightsResult,
+    "checkpoints": CheckpointsResult,
 }
 assert set(_RESULTS) == set(TRAIN_COMMANDS)
 
@@ -64,9 +70,13 @@ def failure(command: Command, error: str) -> TrainResult:
 class CommandInbox:
     """The commands that arrived since the trainer last looked, with where to answer them."""
 
-    def __init__(self, bus: Bus, wake: Callable[[], None]) -> None:
+    def __init__(
+        self, bus: Bus, wake: Callable[[], None], checkpoints: CheckpointFiles | None = None
+    ) -> None:
         self.bus = bus
         self._wake = wake
+        self.checkpoints = checkpoints
+        self._answering: set[asyncio.Task[None]] = set()
         self._pending: list[tuple[Command, Msg]] = []
         self._sub: Any = None
 
@@ -82,6 +92,8 @@ class CommandInbox:
             except Exception as exc:
                 log.debug("unsubscribe failed: %s", exc)
         self._sub = None
+        if self._answering:
+            await asyncio.gather(*self._answering, return_exceptions=True)
         pending, self._pending = self._pending, []
         for command, msg in pending:
             await self._reply(msg, failure(command, "the trainer is shutting down; send it again"))
@@ -130,9 +142,31 @@ class CommandInbox:
                 ),
             )
             return
+        if isinstance(request, CheckpointsRequest):
+            task = asyncio.create_task(self._answer_checkpoints(tenant, request, msg))
+            self._answering.add(task)
+            task.add_done_callback(self._answering.discard)
+            return
         trace = {k: v for k, v in headers.items() if k.lower() in ("traceparent", "tracestate")}
         self._pending.append((Command(kind, tenant, request, trace), msg))
         self._wake()
+
+    async def _answer_checkpoints(self, tenant: str, req: CheckpointsRequest, msg: Msg) -> None:
+        if self.checkpoints is None:
+            result = CheckpointsResult(
+                request_id=req.request_id, run_id=req.run_id, error="this trainer keeps no runs"
+            )
+        else:
+            try:
+                result = await self.checkpoints.answer(tenant, req)
+            except Exception as exc:  # a failing read answers its caller, it never kills us
+                log.exception("trainer: checkpoints %s failed", req.request_id)
+                result = CheckpointsResult(
+                    request_id=req.request_id,
+                    run_id=req.run_id,
+                    error=f"checkpoints failed: {type(exc).__name__}: {exc}",
+                )
+        await self._reply(msg, result)
 
     async def _reply(self, msg: Msg, result: msgspec.Struct) -> None:
         fmt: Format = "msgpack" if is_msgpack((msg.headers or {}).get("Content-Type")) else "json"

@@ -56,8 +56,10 @@ from schemas.training import (
 )
 from services.bus import Bus, tracing
 from services.runs.progress import write_progress
+from services.runs.table import read_record
 from services.telemetry.metrics import record_trainer_step
-from services.trainer.checkpoint import checkpoints_dir, load_checkpoint, save_checkpoint
+from services.trainer.checkpoint import MARKER, checkpoints_dir, load_checkpoint, save_checkpoint
+from services.trainer.checkpoint_files import record_sampler_save
 from services.trainer.command_inbox import Command, failure, wrong_tenant
 from services.trainer.distributed import SINGLE, Ranks
 from services.trainer.sharding import same_pass_grad_scale
@@ -290,11 +292,21 @@ class CommandRunner:
                     tenant=state.tenant,
                 )
             path = f"{state.run_id}@{step}"
+            if self.bus is not None and req.name:
+                await asyncio.to_thread(
+                    record_sampler_save, self.output_dir, state.run_id, req.name, step
+                )
         else:
             if req.name.startswith(("step_", ".")):
                 raise CommandError(
                     f"checkpoint name {req.name!r} is reserved (step_<n> names the run's own "
                     "checkpoints, a leading '.' a partial one); choose another, or leave it empty"
+                )
+            taken = checkpoints_dir(self.output_dir, state.run_id) / req.name
+            if req.name and not req.overwrite and self.ranks.is_main and (taken / MARKER).is_file():
+                raise CommandError(
+                    f"{state.run_id} already has a checkpoint named {req.name!r}; choose another "
+                    "name, or save with overwrite to replace it"
                 )
             path = await self._checkpoint(state, req.name or None)
         return SaveWeightsResult(
@@ -323,10 +335,13 @@ class CommandRunner:
         ckpt = None
         error = None
         if self.ranks.is_main:
-            path = checkpoints_dir(self.output_dir, state.run_id) / req.path
-            if req.path.startswith(".") or not (path / "COMPLETE").is_file():
+            source = req.source_run_id or state.run_id
+            path = checkpoints_dir(self.output_dir, source) / req.path
+            if source != state.run_id and not await self._same_tenant(source, state.tenant):
+                error = f"unknown run {source}"
+            elif req.path.startswith(".") or not (path / MARKER).is_file():
                 error = (
-                    f"{state.run_id} has no complete checkpoint named {req.path!r}; name one "
+                    f"{source} has no complete checkpoint named {req.path!r}; name one "
                     "that save_weights (kind 'state') answered with"
                 )
             else:
@@ -346,6 +361,13 @@ class CommandRunner:
         return LoadWeightsResult(
             request_id=req.request_id, run_id=req.run_id, step=state.progress.step
         )
+
+    async def _same_tenant(self, run_id: str, tenant: str) -> bool:
+        """Whether the run table holds ``run_id`` (in any status) as ``tenant``'s."""
+        if self.bus is None:
+            return False
+        record = await read_record(self.bus, run_id)
+        return record is not None and record.tenant == tenant
 
     async def _in_pool(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()

@@ -38,6 +38,7 @@ from services.model.full import FullWeights
 from services.model.lora import MultiLoRA
 from services.runs.mirror import RunMirror
 from services.trainer.checkpoint import latest_checkpoint, remove_partials
+from services.trainer.checkpoint_files import CheckpointFiles
 from services.trainer.command_inbox import CommandInbox
 from services.trainer.commands import CommandRunner
 from services.trainer.commit import Committer
@@ -137,7 +138,11 @@ class Trainer:
                 settings.output_dir,
                 base_model_path=str(settings.model),
             )
-            self.inbox = CommandInbox(bus, wake=self.intake.arrived.set)
+            self.inbox = CommandInbox(
+                bus,
+                wake=self.intake.arrived.set,
+                checkpoints=CheckpointFiles(bus, settings.output_dir),
+            )
         self.commands = CommandRunner(
             model,
             lora,

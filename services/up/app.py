@@ -65,6 +65,14 @@ def ensure_tiny_model(console: Console, cache_dir: Path | None = None) -> Path:
     return final
 
 
+def unembed_targets(model_dir: Path) -> str:
+    """The model family's LoRA targets and the unembedding (``lm_head``), comma-separated."""
+    from services.model.families import default_target_modules
+
+    config = json.loads((model_dir / "config.json").read_text())
+    return ",".join([*default_target_modules(str(config.get("model_type", ""))), "lm_head"])
+
+
 async def run_up(
     settings: UpSettings, planned: list[SweepRun], nats_url: str | None, console: Console
 ) -> int:
@@ -97,7 +105,10 @@ async def run_up(
     ports = _child_metrics_ports()
     try:
         common = ["--nats-url", nats_url]
-        sizes = ["--max-runs", str(max_runs), "--max-lora-rank", str(MAX_LORA_RANK)]
+        rank = settings.gateway_max_lora_rank if settings.gateway else MAX_LORA_RANK
+        sizes = ["--max-runs", str(max_runs), "--max-lora-rank", str(rank)]
+        unembed = settings.gateway and settings.gateway_train_unembed and not settings.full_weights
+        targets = ["--target-modules", unembed_targets(model_dir)] if unembed else []
         sup.start(
             "registry",
             ["registry", "--output-dir", str(output_dir), *sizes, *common],
@@ -110,13 +121,15 @@ async def run_up(
             argv += ["--device", settings.device] if settings.device else []
             sup.start(name, [*argv, *flags, *sizes, *common], ports.get(name))
 
-        start_worker("inference", settings.inference_threads, "--engine", "torch")
+        start_worker("inference", settings.inference_threads, "--engine", "torch", *targets)
         full_weights = ["--full-weights"] if settings.full_weights else []
         transport_flags = _transport_flags(settings.weight_transport)
-        start_worker("trainer", settings.trainer_threads, *transport_flags, *full_weights)
+        start_worker("trainer", settings.trainer_threads, *transport_flags, *full_weights, *targets)
         if settings.gateway:
             port = str(settings.gateway_port)
-            sup.start("gateway", ["gateway", "--model", str(model_dir), "--port", port, *common])
+            argv = ["gateway", "--model", str(model_dir), "--port", port, *common]
+            argv += ["--model-name", settings.model_name] if settings.model_name else []
+            sup.start("gateway", [*argv, "--train-unembed" if unembed else "--no-train-unembed"])
         bus = await Bus.connect(nats_url, "up")
         if settings.health_interval_s > 0:
             watchdog = Watchdog(

@@ -80,6 +80,24 @@ class UpSettings(BaseModel):
         "start unless --runs is given, and everything serves until Ctrl-C",
     )
     gateway_port: int = Field(8000, ge=0, le=65535, description="the gateway's HTTP port")
+    gateway_max_lora_rank: int = Field(
+        64,
+        ge=1,
+        le=1024,
+        description="with the gateway: the largest LoRA rank a training client may ask for "
+        "(Tinker's default is 32); registry, trainer and inference are sized for it",
+    )
+    gateway_train_unembed: bool = Field(
+        True,
+        description="with the gateway: put LoRA on the unembedding (lm_head) too, as Tinker's "
+        "train_unembed=True (its default) asks",
+    )
+    model_name: str = Field(
+        "",
+        max_length=256,
+        description="with the gateway: the name the base model is served under, e.g. its "
+        "Hugging Face id (default: the model directory)",
+    )
     run: dict[str, Any] = Field(
         default_factory=dict,
         description="orch.toml keys applied to every demo run (e.g. [run.optim] lr = 2e-3)",
@@ -108,7 +126,9 @@ class UpSettings(BaseModel):
         runs beyond ``max_runs`` wait in the registry's queue."""
         if self.full_weights:
             return 1
-        return self.max_runs if self.sweep is not None else max(self.max_runs, self.runs)
+        if self.sweep is not None or (self.gateway and "runs" not in self.model_fields_set):
+            return self.max_runs  # the gateway's clients bring their own runs
+        return max(self.max_runs, self.runs)
 
     @property
     def sweep_name(self) -> str | None:

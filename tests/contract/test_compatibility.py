@@ -14,11 +14,14 @@ from schemas.events import (
     AnyEvent,
     EvictRequested,
     GenerateRequest,
+    GenerateResponse,
     RolloutBatch,
     RunDiscovered,
+    RunList,
     WeightsReady,
 )
 from schemas.records import Progress, RunRecord
+from schemas.training import LoadWeightsRequest, SaveWeightsRequest
 
 from .vectors import CURRENT_DIR, EVENTS, examples, validator, version_dirs
 
@@ -154,3 +157,74 @@ def test_an_evict_request_from_before_delete_existed_only_evicts() -> None:
     event = decode(old, AnyEvent)
     assert isinstance(event, EvictRequested) and event.delete is False
     assert decode(old, EvictRequested).reason == "done"
+
+
+# --- prompt logprobs, snapshots, forks (fields added with defaults) ------------------------------
+
+
+def test_a_generate_request_from_before_prompt_scores_asks_for_the_old_behaviour() -> None:
+    old = (
+        b'{"type":"generate_request","schema_version":1,"request_id":"r1","run_id":"run_a",'
+        b'"prompts":[[1,2]],"n":2,"max_tokens":4,"min_policy_version":3}'
+    )
+    event = decode(old, AnyEvent)
+    assert isinstance(event, GenerateRequest)
+    assert (event.prompt_logprobs, event.top_logprobs, event.top_k) == (False, 0, 0)
+    assert (event.ignore_eos, event.exact_version, event.base_model) == (False, False, False)
+    assert event.min_policy_version == 3
+
+
+def test_a_generate_response_from_before_prompt_scores_decodes_with_none() -> None:
+    old = (
+        b'{"type":"generate_response","schema_version":1,"request_id":"r1","run_id":"run_a",'
+        b'"policy_version":2,"completions":[[{"token_ids":[5],"logprobs":[-0.5],'
+        b'"finish_reason":"length"}]],"error":null}'
+    )
+    event = decode(old, GenerateResponse)
+    assert event.prompt_logprobs == []
+    assert event.completions[0][0].top_logprobs == []
+    assert event.completions[0][0].logprobs == [-0.5]
+
+
+class OldCompletion(msgspec.Struct, frozen=True, kw_only=True):
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+def test_an_old_reader_reads_a_response_with_prompt_scores() -> None:
+    """A requester built before the fields existed ignores them."""
+
+    class OldGenerateResponse(
+        msgspec.Struct, frozen=True, kw_only=True, tag="generate_response", tag_field="type"
+    ):
+        request_id: str
+        policy_version: int
+        completions: list[list[OldCompletion]]
+
+    new = decode((CURRENT_DIR / "generate_response" / "valid_3.json").read_bytes(), AnyEvent)
+    assert isinstance(new, GenerateResponse) and new.prompt_logprobs[0].logprobs[0] is None
+    for fmt in ("json", "msgpack"):
+        header = MSGPACK if fmt == "msgpack" else None
+        old = decode(encode(new, fmt), OldGenerateResponse, content_type_header=header)  # type: ignore[arg-type]
+        assert old.completions[0][0].token_ids == [17]
+
+
+def test_save_and_load_requests_from_before_forks_keep_their_meaning() -> None:
+    save = decode(
+        b'{"type":"save_weights_request","request_id":"s","run_id":"run_a","kind":"state",'
+        b'"name":"x"}',
+        AnyEvent,
+    )
+    assert isinstance(save, SaveWeightsRequest) and save.overwrite is True
+    load = decode(
+        b'{"type":"load_weights_request","request_id":"l","run_id":"run_a","path":"x"}', AnyEvent
+    )
+    assert isinstance(load, LoadWeightsRequest)
+    assert (load.source_run_id, load.optimizer) == (None, True)
+
+
+def test_a_run_row_from_before_labels_has_none() -> None:
+    old = b'{"type":"run_list","runs":[{"run_id":"run_a","status":"active","idx":0}]}'
+    listed = decode(old, RunList)
+    assert listed.runs[0].labels == {}

@@ -106,11 +106,7 @@ def test_an_invalid_run_id_example_exists_for_each_illegal_form() -> None:
 
 def _msgpack_native(data: Any, tag: str) -> Any:
     """JSON carries bytes as base64; a MessagePack writer sends them as bin."""
-    if tag == "invalid_message" and isinstance(data, dict):
-        return {
-            **data,
-            "leading_bytes": msgspec.json.decode(
-                json.dumps(data["leading_bytes"]).encode(), type=bytes
-            ),
-        }
+    field = {"invalid_message": "leading_bytes", "checkpoints_result": "data"}.get(tag)
+    if field is not None and isinstance(data, dict):
+        return {**data, field: msgspec.json.decode(json.dumps(data[field]).encode(), type=bytes)}
     return data

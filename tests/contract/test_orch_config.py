@@ -61,7 +61,7 @@ def test_the_full_example_sets_every_key_away_from_its_default() -> None:
     def leaves(d: dict[str, object], prefix: str = "") -> dict[str, object]:
         out: dict[str, object] = {}
         for k, v in d.items():
-            if isinstance(v, dict) and k != "env_args":
+            if isinstance(v, dict) and k not in ("env_args", "labels"):
                 out.update(leaves(v, f"{prefix}{k}."))
             else:
                 out[prefix + k] = v
@@ -97,3 +97,13 @@ def test_config_schema_file_is_the_pydantic_schema() -> None:
     generated = OrchConfig.model_json_schema()
     assert committed["properties"] == generated["properties"]
     assert committed["$defs"].keys() == generated["$defs"].keys()
+
+
+def test_labels_with_dots_and_quotes_survive_the_toml_round_trip() -> None:
+    """Run labels are free-form: a key such as ``tinker.session`` must not become a table."""
+    from schemas.config import dump_toml, orch_config_from_dict, parse_orch_config
+
+    labels = {"tinker.session": "session-1", "user.my key": 'say "hi"', "team": "a"}
+    config = orch_config_from_dict({"labels": labels, "driver": "commands"})
+    again = parse_orch_config(dump_toml(config.to_dict()))
+    assert again.labels == labels and again.digest() == config.digest()

@@ -54,8 +54,8 @@ def test_generated_files_are_one_schema_per_event_plus_config_and_asyncapi() -> 
     expected = {f"json/{tag}.json" for tag in TAGS} | {"json/orch_config.json", "asyncapi.yaml"}
     expected |= {f"json/{name}.json" for name in ALL_RECORDS}
     assert set(files) == expected
-    assert len(ALL_EVENTS) == 23
-    assert len(TAGS) == len(ALL_EVENTS) + len(COLLECTIVE_MESSAGES) == 29
+    assert len(ALL_EVENTS) == 25
+    assert len(TAGS) == len(ALL_EVENTS) + len(COLLECTIVE_MESSAGES) == 31
 
 
 def test_committed_files_equal_generated(tmp_path: Path) -> None:
@@ -195,6 +195,7 @@ DESIGN_TABLE = {
     "plexrl.train.optim_step": (None, ["optim_step_request"]),
     "plexrl.train.save_weights": (None, ["save_weights_request"]),
     "plexrl.train.load_weights": (None, ["load_weights_request"]),
+    "plexrl.train.checkpoints": (None, ["checkpoints_request"]),
     # in the services' account, a tenant's writes before the registry stores them
     "plexrl.ingest.{tenant}.submit": (None, ["run_submitted"]),
     "plexrl.ingest.{tenant}.evict": (None, ["evict_requested"]),

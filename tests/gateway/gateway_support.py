@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 
 REPO = Path(__file__).resolve().parents[2]
+UNEMBED_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"
 
 
 def free_port() -> int:
@@ -74,15 +75,15 @@ class Stack:
                 proc.wait(10)
         return proc.returncode
 
-    def start_gateway(self, port: int) -> None:
+    def start_gateway(self, port: int, *extra: str) -> None:
         self.start(
             "gateway",
             *("gateway", "--model", str(self.model), "--port", str(port)),
             *("--model-alias", "tiny-base", "--max-tokens", "64", "--max-body-bytes", "200000"),
-            *("--request-timeout-s", "60"),
+            *("--request-timeout-s", "60", "--train-unembed", *extra),
         )
 
-    def wait_http(self, timeout: float = 120.0) -> None:
+    def wait_http(self, timeout: float = 240.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for name, proc in self.procs.items():
@@ -168,10 +169,12 @@ def running_stack(
     with EmbeddedNats(store_dir=root / "nats") as server:
         port = free_port()
         s = Stack(server.url, model, out, logs, f"http://127.0.0.1:{port}", otlp)
-        common = ("--output-dir", str(out), "--max-runs", str(max_runs))
+        common = ("--output-dir", str(out), "--max-runs", str(max_runs), "--max-lora-rank", "32")
+        # Tinker's train_unembed: the unembedding carries LoRA too
+        targets = ("--target-modules", UNEMBED_TARGETS, "--threads", "1")
         s.start("registry", "registry", *common, *registry_args)
-        s.start("trainer", "trainer", "--model", str(model), *common, "--threads", "1")
-        s.start("inference", "inference", "--model", str(model), *common, "--threads", "1")
+        s.start("trainer", "trainer", "--model", str(model), *common, *targets)
+        s.start("inference", "inference", "--model", str(model), *common, *targets)
         s.start_gateway(port)
         try:
             s.wait_http()

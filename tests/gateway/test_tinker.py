@@ -93,11 +93,11 @@ def test_an_unsupported_loss_is_the_sdks_error_not_a_hang(service, tok) -> None:
 
 
 def test_a_rank_the_registry_refuses_is_its_reason_at_once(service) -> None:
-    """Tinker's default rank is 32; this registry allows 16. The registry's refusal (a
+    """A rank above this registry's limit (32). The registry's refusal (a
     RunConfigInvalid, never a row of the run list) reaches the client as the error, instead of
     a 60 s wait for a run that never comes ending in 'free a slot'."""
-    with pytest.raises(tinker.RequestFailedError, match="rank: 32 is above this registry's limit"):
-        service.create_lora_training_client(base_model="tiny-base", rank=32).result(timeout=50)
+    with pytest.raises(tinker.RequestFailedError, match="rank: 64 is above this registry's limit"):
+        service.create_lora_training_client(base_model="tiny-base", rank=64).result(timeout=50)
 
 
 def _create_model(stack, session: str, rank: int) -> dict:

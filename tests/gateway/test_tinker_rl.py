@@ -70,3 +70,50 @@ def test_an_importance_sampling_loop_samples_the_trained_weights(stack) -> None:
     for got, expected in losses:
         assert got == pytest.approx(expected, abs=1e-3), losses
     assert any(abs(expected) > 0.1 for _, expected in losses), losses  # not a trivial zero
+
+
+def test_a_kl_to_reference_loop_scores_samples_with_a_base_sampler(stack) -> None:
+    """The cookbook's KL penalty: every sampled sequence is scored by a sampler of the base
+    model (``compute_logprobs``), and ``kl_t = log pi(x_t) - log pi_ref(x_t)`` is taken off
+    each token's advantage. At step 0 the policy is the base (a fresh adapter), so the KL is 0
+    to the float rounding; once trained, the policy has moved away from the reference."""
+    tok = load_tokenizer(stack.model)
+    service = tinker.ServiceClient(base_url=stack.url, api_key="tml-plexrl-test")
+    trainer = service.create_lora_training_client(base_model="tiny-base", rank=8).result()
+    reference = service.create_sampling_client(base_model="tiny-base").result()
+    prompt = [tok.bos_token_id, *tok.encode("abc", add_special_tokens=False)]
+    kls = []
+    for step in range(4):
+        sampler = trainer.save_weights_and_get_sampling_client().result()
+        group = (
+            sampler.sample(
+                types.ModelInput.from_ints(prompt),
+                4,
+                types.SamplingParams(max_tokens=6, temperature=1.0, seed=step),
+            )
+            .result(timeout=120)
+            .sequences
+        )
+        scores = [reward(tok.decode(s.tokens, skip_special_tokens=True)) for s in group]
+        mean = statistics.fmean(scores)
+        data, step_kl = [], []
+        for seq, score in zip(group, scores, strict=True):
+            full = types.ModelInput.from_ints(prompt + list(seq.tokens))
+            ref = reference.compute_logprobs(full).result(timeout=120)[len(prompt) :]
+            kl = [lp - r for lp, r in zip(seq.logprobs, ref, strict=True)]
+            step_kl += kl
+            datum = rl_datum(prompt, seq, score - mean)
+            advantages = datum.loss_fn_inputs["advantages"].tolist()
+            n = len(prompt) - 1
+            advantages[n:] = [a - 0.1 * k for a, k in zip(advantages[n:], kl, strict=True)]
+            data.append(
+                types.Datum(
+                    model_input=datum.model_input,
+                    loss_fn_inputs={**datum.loss_fn_inputs, "advantages": advantages},
+                )
+            )
+        kls.append(statistics.fmean(step_kl))
+        trainer.forward_backward(data, "importance_sampling").result(timeout=120)
+        trainer.optim_step(types.AdamParams(learning_rate=5e-2)).result(timeout=120)
+    assert kls[0] == pytest.approx(0.0, abs=1e-4), kls
+    assert max(abs(k) for k in kls[1:]) > 1e-3, kls
