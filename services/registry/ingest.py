@@ -62,6 +62,10 @@ log = logging.getLogger(__name__)
 VIEWS_FRESH_S = 60.0
 """how long a tenant's views count as made sure of before a submit checks them again"""
 
+PENDING_S = 60.0
+"""how long a stored submit counts against its tenant's quotas before the registry's consumer
+has applied it (after that the run table says what became of it)"""
+
 FORWARDED = ("Content-Type", "traceparent", "tracestate")
 
 
@@ -101,6 +105,9 @@ class Ingest:
         self.max_request_bytes = max_request_bytes
         self._sub: Subscription | None = None
         self._views_checked: dict[str, float] = {}
+        self._pending: dict[str, tuple[RunRecord, float]] = {}
+        """submits stored and not yet applied, by run id: they count against their tenant's
+        quotas, or a burst of submits would all pass before the consumer applies the first"""
 
     async def start(self) -> None:
         self._sub = await self.bus.nc.subscribe(
@@ -150,6 +157,7 @@ class Ingest:
 
     async def _store(self, where: IngestSubject, msg: Msg) -> bytes:
         tenant, headers = where.tenant, dict(msg.headers or {})
+        submitted: RunRecord | None = None
         if not self.registry.tenants.knows(tenant):
             raise Refused(403, unknown_tenant(tenant))
         if where.kind == "rollouts":
@@ -164,8 +172,8 @@ class Ingest:
                     f"limit of {self.max_request_bytes} (ingest_max_request_bytes)",
                 )
             if where.kind == "submit":
-                duplicate = await self._check_submit(tenant, msg.data, headers)
-                if duplicate:
+                submitted = await self._check_submit(tenant, msg.data, headers)
+                if submitted is None:
                     return json.dumps(
                         {"stream": sj.RUNS_STREAM, "seq": 0, "duplicate": True}
                     ).encode()
@@ -180,6 +188,8 @@ class Ingest:
             ack = await self.bus.nc.request(target, msg.data, timeout=5.0, headers=stored)
         except (NoRespondersError, NatsTimeout):
             raise Refused(503, "JetStream did not store the write in time; retry") from None
+        if submitted is not None and b'"error"' not in ack.data:
+            self._pending[submitted.run_id] = (submitted, time.monotonic())
         return bytes(ack.data)
 
     # --- the checks ----------------------------------------------------------------------
@@ -192,8 +202,11 @@ class Ingest:
             return None
         return rec
 
-    async def _check_submit(self, tenant: str, data: bytes, headers: dict[str, str]) -> bool:
-        """Refuse a submit that cannot succeed; True for one the registry already holds."""
+    async def _check_submit(
+        self, tenant: str, data: bytes, headers: dict[str, str]
+    ) -> RunRecord | None:
+        """Refuse a submit that cannot succeed; None for one the registry already holds, else
+        the record it will count as until the registry applies it."""
         try:
             event: RunSubmitted = decode(data, RunSubmitted, headers.get("Content-Type"))
         except DecodeError as exc:
@@ -203,9 +216,12 @@ class Ingest:
         if foreign_owner(rec, tenant) is not None:
             raise Refused(409, f"run id {run_id} is taken; choose another run id")
         verdict = reg.validator.check_submission(event.config)
+        pending = self._pending_records()
+        if rec is None and run_id in pending:
+            rec = pending[run_id]
         if rec is not None and rec.status in ("active", "waiting"):
             if verdict.ok and verdict.digest == rec.config_digest:
-                return True
+                return None
             raise Refused(
                 409,
                 f"{run_id} already exists with a different config (digest {rec.config_digest}); "
@@ -219,14 +235,36 @@ class Ingest:
             )
         if verdict.config is None:
             raise Refused(400, f"invalid config: {verdict.error}")
-        records = list(reg.ledger.records.values())
-        why = quota_refusal(tenant, verdict.config, reg.tenants, records, reg.pool.num_free)
+        records = [*reg.ledger.records.values(), *pending.values()]
+        num_free = reg.pool.num_free - sum(r.status == "active" for r in pending.values())
+        why = quota_refusal(tenant, verdict.config, reg.tenants, records, max(num_free, 0))
         if why is not None:
             raise Refused(429, why)
         stale = time.monotonic() - self._views_checked.get(tenant, -VIEWS_FRESH_S) >= VIEWS_FRESH_S
         if stale and not await self.ensure_views(tenant):
             raise Refused(503, f"the views of tenant {tenant} cannot be kept yet; retry")
-        return False
+        quota = reg.tenants.quota(tenant)
+        mine = [r for r in records if r.tenant == tenant]
+        starts = (
+            reg.pool.num_free > sum(r.status == "active" for r in pending.values())
+            and not any(r.status == "waiting" for r in mine)
+            and (quota.max_runs is None or sum(r.status == "active" for r in mine) < quota.max_runs)
+        )
+        return RunRecord(
+            run_id=run_id,
+            status="active" if starts else "waiting",
+            tenant=tenant,
+            config_digest=verdict.digest,
+        )
+
+    def _pending_records(self) -> dict[str, RunRecord]:
+        """The stored submits the registry has not applied yet (see ``_pending``)."""
+        ledger, now = self.registry.ledger, time.monotonic()
+        for run_id, (_, at) in list(self._pending.items()):
+            rec = ledger.get(run_id)
+            if now - at > PENDING_S or (rec is not None and rec.status != "forgotten"):
+                del self._pending[run_id]
+        return {run_id: rec for run_id, (rec, _) in self._pending.items()}
 
     def _check_evict(self, tenant: str, data: bytes, headers: dict[str, str]) -> None:
         try:

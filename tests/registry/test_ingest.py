@@ -150,6 +150,24 @@ async def test_a_run_stores_at_most_the_batches_it_can_need_and_deletes_free_its
     await eventually(lambda: registry.records.get("run_c") is not None)
 
 
+async def test_a_burst_of_submits_is_held_to_the_quota_before_any_is_applied(
+    acme: Bus, registry: Registry
+) -> None:
+    # eight submits at once: the registry's consumer applies none of them before the ingest has
+    # answered them all, so the ingest must count the ones it stored (max_run_dirs = 2)
+    outcomes = await asyncio.gather(
+        *(_submit(acme, f"run_burst{k}") for k in range(8)), return_exceptions=True
+    )
+    refused = [o for o in outcomes if isinstance(o, APIError)]
+    assert len(outcomes) - len(refused) == 2, outcomes
+    assert all("max_run_dirs = 2" in str(o.description) for o in refused), refused
+    await eventually(
+        lambda: sum(r.run_id.startswith("run_burst") for r in registry.records.values()) == 2
+    )
+    await asyncio.sleep(1.0)  # nothing more arrives: the refused ones were never stored
+    assert sum(r.run_id.startswith("run_burst") for r in registry.records.values()) == 2
+
+
 async def test_a_tenant_added_live_gets_its_views_and_one_the_file_drops_is_refused(
     broker: AccountsBroker, registry: Registry, tmp_path: Path
 ) -> None:
