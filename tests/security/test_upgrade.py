@@ -36,6 +36,8 @@ async def test_a_single_account_deployment_moves_to_accounts_with_its_runs(
         registry = await _registry(bus, out)
         await submit(bus, "default", "run_kept", COMMANDS_RUN)
         await eventually(lambda: _active(registry, "run_kept"))
+        # the table is written before its event is published, and marked once it is
+        await eventually(lambda: _published(registry, "run_kept"))
         before = await bus.js.get_last_msg(sj.RUNS_STREAM, sj.DISCOVERED)
         record = registry.records["run_kept"]
         await registry.stop()
@@ -95,6 +97,10 @@ def test_a_clustered_or_missing_store_is_refused_and_left_alone(
 async def _active(registry: Registry, run_id: str) -> bool:
     rec = registry.records.get(run_id)
     return rec is not None and rec.status == "active"
+
+
+async def _published(registry: Registry, run_id: str) -> bool:
+    return bool(registry.records[run_id].last_published)
 
 
 async def _acme_active(acme: Bus) -> bool:
