@@ -19,8 +19,10 @@ The examples are fixed (``derandomize``); ``PLEXRL_FUZZ_EXAMPLES`` searches long
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -215,12 +217,24 @@ def _good_requests_work(ctx: Ctx, stack: Stack) -> None:
 
 
 @pytest.fixture(scope="module")
-def ctx(stack: Stack) -> Ctx:
-    """A live training run of the tests' own (made through ``create_model``, as the SDK does)."""
+def ctx(stack: Stack) -> Iterator[Ctx]:
+    """A live training run of the tests' own (made through ``create_model``, as the SDK does),
+    its session kept alive by heartbeats as the SDK keeps it (a silent session is finished and
+    its runs evicted after the gateway's session TTL, which a slow module outlasts)."""
     tok = load_tokenizer(stack.model)
     prompt = prompt_token_ids(tok, ReverseEnv(seed=0).prompt(0))
+    session = f"fuzz-{uuid.uuid4().hex[:8]}"
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(5.0):
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.post(f"{stack.url}/api/v1/session_heartbeat", json={"session_id": session})
+
+    beating = threading.Thread(target=beat, name="heartbeat", daemon=True)
+    beating.start()
     body = {
-        "session_id": f"fuzz-{uuid.uuid4().hex[:8]}",
+        "session_id": session,
         "model_seq_id": 0,
         "base_model": BASE,
         "lora_config": {"rank": 4},
@@ -230,7 +244,12 @@ def ctx(stack: Stack) -> Ctx:
     c = Ctx(stack.url, made.json()["model_id"], prompt)
     created = _wait_future(c, made.json()["request_id"])
     assert created.json().get("model_id") == c.run_id, created.text
-    return c
+    yield c
+    stop.set()
+    beating.join()
+    # finished, its run is evicted at once: the other gateway tests of this process need the slot
+    finished = httpx.post(f"{stack.url}/api/v1/sessions/{session}/finish", json={})
+    assert finished.status_code == 200, finished.text
 
 
 @pytest.fixture(autouse=True)
