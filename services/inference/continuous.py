@@ -239,8 +239,7 @@ class ContinuousLoop:
 
     def _admit(self, start_new: bool) -> None:
         self._admit_class(ROLLOUT, start_new)
-        if ROLLOUT not in self._partial:  # rollouts still waiting for room come first
-            self._admit_class(HTTP, start_new)
+        self._admit_class(HTTP, start_new)
 
     def _admit_class(self, source: str, start_new: bool) -> None:
         gen = self.generator
@@ -277,17 +276,22 @@ class ContinuousLoop:
                 return  # the rest joins as rows and blocks free up
 
     def _room(self, source: str) -> tuple[int, int]:
-        """The rows and KV blocks a job of ``source`` may take now."""
+        """The rows and KV blocks a job of ``source`` may take now: HTTP sampling up to its
+        share; rollouts all that is free, less what HTTP sampling waiting for its share lacks."""
         gen = self.generator
         free_rows = sum(seq is None for seq in gen.rows)
         free_blocks = gen.cache.allocator.num_free
-        if source != HTTP:
-            return free_rows, free_blocks
         held = [
             seq for seq in gen.rows if seq is not None and seq.tag[0].waiting.job.source == HTTP
         ]
         held_blocks = sum(len(seq.blocks) for seq in held)
-        return self.share.room(len(held), held_blocks, free_rows, free_blocks)
+        if source == HTTP:
+            return self.share.room(len(held), held_blocks, free_rows, free_blocks)
+        if not (self.waiting.http or HTTP in self._partial):
+            return free_rows, free_blocks
+        lacking_rows = max(0, self.share.rows - len(held))
+        lacking_blocks = max(0, self.share.blocks - held_blocks)
+        return max(0, free_rows - lacking_rows), max(0, free_blocks - lacking_blocks)
 
     def _start(self, waiting: Waiting) -> _Admitted | None:
         """Bind a job to the version its slot serves now, or hand it back (resolved)."""

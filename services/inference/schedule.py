@@ -7,10 +7,11 @@ An RL run's progress must not depend on public traffic, so the torch engine's lo
   in arrival order, admitted first, into any row and KV block that is free;
 - **HTTP sampling** (``source = "http"``: the gateway) in one queue per tenant, the tenants taken
   in turn (round-robin), so one tenant's flood cannot starve another's requests. HTTP sequences
-  hold at most ``http_share`` of the batch's rows and of its KV blocks at any time, and none
-  joins while a rollout job is still waiting for room: rollouts always find the other
-  ``1 - http_share`` free of HTTP sampling, and a decode step carries at most
-  ``http_share x max_num_seqs`` HTTP rows beside them.
+  hold at most ``http_share`` of the batch's rows and of its KV blocks at any time, so rollouts
+  always find the other ``1 - http_share`` free of HTTP sampling, and a decode step carries at
+  most ``http_share x max_num_seqs`` HTTP rows beside them. While HTTP sampling waits, rollouts
+  leave free what it lacks of its share: under both loads at once each class gets its part,
+  and neither starves the other.
 
 Nothing is preempted: an HTTP sequence already decoding runs to its end (at most its
 ``max_tokens`` steps), unless its caller cancels it or its deadline passes.
