@@ -8,9 +8,10 @@ with tenant credentials) from its start with a :class:`~services.bus.follower.Fo
 say it is not. A lookup is answered from that table.
 
 A run the table does not hold as active may be one whose event is still on its way (a model
-created a moment ago): then the registry is asked, at most once per ``LIST_EVERY_S`` and one
-request at a time however many lookups miss, and its rows join the table. Whatever an event
-says later wins.
+created a moment ago): then the lookup waits for a registry list begun after it, and its rows
+join the table. One list runs at a time, shared by every lookup that missed meanwhile, so a
+burst of requests for unknown models costs the registry a list at a time, not one each. Whatever
+an event says later wins.
 """
 
 from __future__ import annotations
@@ -38,8 +39,6 @@ log = logging.getLogger(__name__)
 
 Lifecycle = RunDiscovered | RunConfigInvalid | RunEvicted | RunForgotten
 LIFECYCLE_KINDS = frozenset(sj.LIFECYCLE_KINDS)
-LIST_EVERY_S = 1.0
-"""the least time between two registry lists asked for by lookups that missed"""
 
 
 def _is_lifecycle(subject: str) -> bool:
@@ -94,7 +93,7 @@ class RunTable:
         )
         self._started: asyncio.Task[None] | None = None
         self._listing: asyncio.Task[None] | None = None
-        self._listed_at = -LIST_EVERY_S
+        self._listed_at = 0.0
 
     def _on_event(self, seq: int, event: Lifecycle, meta: MessageMeta) -> None:
         self.rows[event.run_id] = row_of(event, self.rows.get(event.run_id), meta.time.timestamp())
@@ -116,7 +115,7 @@ class RunTable:
         await self._follower.stop()
 
     async def row(self, run_id: str) -> RunRow | None:
-        """``run_id``'s row; a run not active here is looked up in the registry (rate-limited)."""
+        """``run_id``'s row; a run not active here is looked up in the registry too."""
         await self.start()
         found = self.rows.get(run_id)
         if found is not None and found.status == "active":
@@ -125,12 +124,17 @@ class RunTable:
         return self.rows.get(run_id)
 
     async def _list(self) -> None:
-        if self._listing is None or self._listing.done():
-            if time.monotonic() - self._listed_at < LIST_EVERY_S:
+        """Wait for a registry list begun after this call; lookups that miss at the same time
+        share one, and one runs at a time."""
+        asked = time.monotonic()
+        while True:
+            listing = self._listing
+            if listing is None or listing.done():
+                self._listed_at = time.monotonic()
+                self._listing = listing = asyncio.create_task(self._fetch())
+            await asyncio.shield(listing)
+            if self._listed_at >= asked:
                 return
-            self._listed_at = time.monotonic()
-            self._listing = asyncio.create_task(self._fetch())
-        await asyncio.shield(self._listing)
 
     async def _fetch(self) -> None:
         self.lists += 1
