@@ -316,11 +316,15 @@ async def asample(request: Request) -> dict[str, Any]:
     # Admitted now or refused now (429): a sample's future never waits for room.
     gateway.backend.check_work(1, n, max_tokens)
     ticket = gateway.backend.admission.admit(1, n, max_tokens)
-    future_id = gateway.futures.start(
-        request_id,
-        lambda: _sample(gateway, ref, body, n, max_tokens, ticket),
-        on_done=ticket.release,
-    )
+    try:
+        future_id = gateway.futures.start(
+            request_id,
+            lambda: _sample(gateway, ref, body, n, max_tokens, ticket),
+            on_done=ticket.release,
+        )
+    except GatewayError:  # the key's own limit: no future, so nothing holds the ticket
+        ticket.release()
+        raise
     return {
         "request_id": future_id,
         "sample_sequence_ids": [f"{future_id}/{i}" for i in range(n)],
