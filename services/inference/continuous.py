@@ -179,14 +179,17 @@ class ContinuousLoop:
     def serve(self) -> None:
         """Generate until no job is left (or a drain is asked for and what runs has finished)."""
         gen = self.generator
+        first = True
         try:
             while True:
                 while self.inbox:
                     self.waiting.add(self.inbox.popleft())
                 self._drop_unwanted()
                 self.bank.apply_staged(self._busy())
-                # Draining, a half-admitted job still gets the rest of its sequences in.
-                self._admit(start_new=not self.drain.is_set())
+                # The jobs handed to this batch start even if a drain was asked for meanwhile
+                # (they are what runs); draining, a half-admitted job gets the rest in too.
+                self._admit(start_new=first or not self.drain.is_set())
+                first = False
                 if not gen.active:
                     if not self._partial and (
                         self.drain.is_set() or not (self.waiting or self.inbox)
