@@ -14,6 +14,12 @@ process, the tiny model), driven by the stock ``tinker`` SDK:
     HTTP layer's cost is fixed per call, so its ratio depends on how much work a call carries.
 
     .venv/bin/python bench/gateway.py [--runs 8] [--steps 4] [--repeats 15] [--device cuda]
+
+With ``--load`` it measures the gateway under sampling load instead (bench/gateway_load.py):
+offered against served requests, latency, errors by status and the co-located RL runs' step
+time, with a plot.
+
+    .venv/bin/python bench/gateway.py --load [--levels 0,8,32,128,512] [--seconds 20]
 """
 
 from __future__ import annotations
@@ -217,7 +223,28 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--device", default="cpu")
+    load = parser.add_argument_group("--load: sampling load beside RL runs (gateway_load.py)")
+    load.add_argument("--load", action="store_true", help="measure the gateway under load")
+    load.add_argument(
+        "--levels",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[0, 8, 32, 128, 512],
+        help="concurrent clients per level, 0 first (the baseline)",
+    )
+    load.add_argument("--seconds", type=float, default=20.0, help="length of each level")
+    load.add_argument("--rl-runs", type=int, default=2, help="demo RL runs training meanwhile")
+    load.add_argument("--n", type=int, default=4, help="completions per request")
+    load.add_argument("--max-tokens", type=int, default=16, help="tokens per completion")
+    load.add_argument("--http-share", type=float, default=0.25, help="inference's http_share")
+    load.add_argument("--plot", default="", help="write the plot here (PNG)")
     args = parser.parse_args()
+    if args.load:
+        if not args.levels or args.levels[0] != 0:
+            parser.error("--levels must start with 0, the baseline")
+        from gateway_load import run as run_load
+
+        run_load(args)
+        return
     with (
         tempfile.TemporaryDirectory(prefix="plexrl-bench-gateway-") as tmp,
         Stack(Path(tmp), args.device, args.runs + 2) as stack,

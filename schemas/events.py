@@ -237,125 +237,6 @@ class WeightsReady(Event, frozen=True, kw_only=True, tag="weights_ready"):
         return self.kind == "full"
 
 
-# --- generation (request/reply, queue group ``inference``) ------------------------------------
-
-
-MAX_TOP_LOGPROBS = 20
-"""the most alternatives a GenerateRequest may ask for per position (``top_logprobs``)"""
-
-
-class GenerateRequest(Event, frozen=True, kw_only=True, tag="generate_request"):
-    """Completions for ``prompts`` under ``run_id``'s adapter, ``n`` per prompt.
-
-    Producer: orchestrator (or any client). Consumer: an inference replica.
-    Subject: ``plexrl.inference.generate`` (request/reply). The reply is a GenerateResponse
-    generated with a policy version ``>= min_policy_version`` (exactly that version with
-    ``exact_version``), or an error.
-
-    ``progress_subject`` asks for liveness: the replica that takes the request publishes a
-    GenerateProgress there at once and then every ``progress_every_s`` seconds until it replies,
-    so a requester can tell a replica that died holding the request from one that is still
-    waiting or generating. It must be an inbox of the requester: a subject under ``_INBOX.``
-    (``_INBOX_<tenant>.`` on a tenant's generate subject); a replica refuses any other with an
-    error reply. Absent (every request before the field existed), no progress is sent. The reply
-    itself always travels on the request's NATS reply subject.
-    """
-
-    request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-    run_id: RunId
-    prompts: Annotated[list[list[TokenId]], msgspec.Meta(min_length=1)]
-    n: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
-    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 16
-    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 1.0
-    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
-    min_policy_version: NonNegInt = 0
-    seed: int | None = None
-    timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 30.0
-    progress_subject: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
-    progress_every_s: Annotated[float, msgspec.Meta(ge=0.1, le=60.0)] = 2.0
-    prompt_logprobs: bool = False
-    """also score each prompt's tokens (temperature 1, no filter: the trainer's forward)"""
-    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0
-    """the most likely tokens to report at each sampled (and scored prompt) position"""
-    top_k: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 0
-    """sample among the ``top_k`` most likely tokens only (0: no limit); before top_p"""
-    ignore_eos: bool = False
-    """do not stop at an end-of-sequence token: generate ``max_tokens`` tokens"""
-    exact_version: bool = False
-    """serve ``min_policy_version`` exactly (a snapshot), or an error saying why not"""
-    base_model: bool = False
-    """generate with the base model, no adapter: ``run_id`` is only a label, no run needed"""
-
-
-class TopLogprobs(msgspec.Struct, frozen=True, kw_only=True):
-    """The most likely tokens at one position, most likely first, and their log-probabilities."""
-
-    token_ids: list[TokenId]
-    logprobs: list[float]
-
-
-class PromptLogprobs(msgspec.Struct, frozen=True, kw_only=True):
-    """One prompt's scores: ``logprobs[t]`` is the log-probability of prompt token ``t`` after
-    the tokens before it (``None`` for the first, which has no context); ``top_logprobs[t]`` the
-    alternatives at position ``t`` (empty for the first) when the request asked for them."""
-
-    logprobs: list[float | None]
-    top_logprobs: list[TopLogprobs] = msgspec.field(default_factory=list)
-
-
-ProgressState = Literal["waiting_for_version", "generating"]
-"""What a replica is doing with a request: waiting until it can serve the request's
-``min_policy_version``, or generating (queued in or running a batch)."""
-
-
-class GenerateProgress(Event, frozen=True, kw_only=True, tag="generate_progress"):
-    """A replica still holds a GenerateRequest: a liveness message, not a result.
-
-    Producer: the inference replica that took a request naming a ``progress_subject``.
-    Consumer: the requester. Subject: the request's ``progress_subject`` (core NATS, no stream).
-    Sent when the replica takes the request, when its state changes and every
-    ``progress_every_s`` seconds until the reply is sent; ``seq`` counts them from 0. When they
-    stop and no reply came, the replica is gone: the requester may send the request again
-    without waiting for its own timeout.
-    """
-
-    request_id: str
-    run_id: str
-    replica: str
-    state: ProgressState
-    seq: NonNegInt = 0
-
-
-class Completion(msgspec.Struct, frozen=True, kw_only=True):
-    """One sampled completion: token ids, the log-probability of each under the distribution it
-    was sampled from, and why it ended."""
-
-    token_ids: list[TokenId]
-    logprobs: list[float]
-    finish_reason: FinishReason
-    top_logprobs: list[TopLogprobs] = msgspec.field(default_factory=list)
-    """per sampled token, the request's ``top_logprobs`` most likely tokens (empty when it asked
-    for none)"""
-
-
-class GenerateResponse(Event, frozen=True, kw_only=True, tag="generate_response"):
-    """The reply to a GenerateRequest.
-
-    Producer: inference. Consumer: the requester.
-    ``completions[i]`` holds the ``n`` completions of ``prompts[i]``. On failure ``completions``
-    is empty and ``error`` says why.
-    """
-
-    request_id: str
-    run_id: str
-    policy_version: NonNegInt
-    completions: list[list[Completion]]
-    error: str | None = None
-    prompt_logprobs: list[PromptLogprobs] = msgspec.field(default_factory=list)
-    """``prompt_logprobs[i]`` scores ``prompts[i]`` when the request asked for
-    ``prompt_logprobs`` (empty otherwise)"""
-
-
 # --- errors (stream PLEXRL_ERRORS) ------------------------------------------------------------
 
 
@@ -444,7 +325,19 @@ class RunList(Event, frozen=True, kw_only=True, tag="run_list"):
     error: str | None = None
 
 
-# The training commands live in their own module, which builds on the definitions above.
+# Generation and the training commands live in their own modules, which build on the
+# definitions above.
+from schemas.generation import (  # noqa: E402, F401  (re-exported: their home was here)
+    MAX_TOP_LOGPROBS,
+    Completion,
+    GenerateCancel,
+    GenerateProgress,
+    GenerateRequest,
+    GenerateResponse,
+    ProgressState,
+    PromptLogprobs,
+    TopLogprobs,
+)
 from schemas.training import TRAINING_EVENTS, TrainRequest, TrainResult  # noqa: E402
 
 ALL_EVENTS: tuple[type[Event], ...] = (
@@ -459,6 +352,7 @@ ALL_EVENTS: tuple[type[Event], ...] = (
     GenerateRequest,
     GenerateResponse,
     GenerateProgress,
+    GenerateCancel,
     InvalidMessage,
     ServiceError,
     RunListRequest,
@@ -478,6 +372,7 @@ AnyEvent = (
     | GenerateRequest
     | GenerateResponse
     | GenerateProgress
+    | GenerateCancel
     | InvalidMessage
     | ServiceError
     | RunListRequest

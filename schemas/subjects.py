@@ -18,6 +18,7 @@ from schemas.collective import GroupFormed, GroupState, JoinRequest, LeaveReques
 from schemas.events import (
     Event,
     EvictRequested,
+    GenerateCancel,
     GenerateProgress,
     GenerateRequest,
     GenerateResponse,
@@ -76,6 +77,7 @@ EVICT = "plexrl.runs.evict"
 EVICTED = "plexrl.runs.evicted"
 FORGOTTEN = "plexrl.runs.forgotten"
 GENERATE = "plexrl.inference.generate"
+CANCEL = "plexrl.inference.cancel"
 INFERENCE_QUEUE_GROUP = "inference"
 
 _ROLLOUTS_PREFIX = "plexrl.rollouts."
@@ -170,13 +172,12 @@ def per_run_subject(subject: str) -> tuple[str, str]:
 
 # --- tenants ---------------------------------------------------------------------------------
 #
-# A run of the default tenant uses the subjects above, unchanged. A run of tenant ``t`` carries
-# the tenant as one more token, right after the family: ``plexrl.runs.t.submit``,
-# ``plexrl.rollouts.t.<run_id>``, ``plexrl.inference.t.generate``... The broker's per-user
-# permissions (``plexrl nats-config``) allow a tenant's credentials exactly its own token, so the
-# tenant a service reads from a subject is the tenant the broker authenticated. The stream
-# wildcards (``plexrl.runs.>`` and so on) capture both forms; the two are told apart by their
-# number of tokens (a run id always starts with ``run_`` and never holds a dot).
+# The default tenant's runs use the subjects above. Tenant ``t``'s carry ``t`` as one more token
+# after the family: ``plexrl.runs.t.submit``, ``plexrl.rollouts.t.<run_id>``,
+# ``plexrl.inference.t.generate``... The broker's per-user permissions (``plexrl nats-config``)
+# allow a tenant's credentials exactly its own token, so the tenant a service reads from a
+# subject is the one the broker authenticated. The stream wildcards (``plexrl.runs.>``...)
+# capture both forms, told apart by their number of tokens (a run id never holds a dot).
 
 LIFECYCLE_KINDS = ("discovered", "invalid", "evicted", "forgotten")
 REQUEST_KINDS = ("submit", "evict")
@@ -186,6 +187,7 @@ REGISTRY_LIST = "plexrl.registry.list"
 SUBMIT_TENANTS = "plexrl.runs.*.submit"
 EVICT_TENANTS = "plexrl.runs.*.evict"
 GENERATE_TENANTS = "plexrl.inference.*.generate"
+CANCEL_TENANTS = "plexrl.inference.*.cancel"
 REGISTRY_LIST_TENANTS = "plexrl.registry.*.list"
 
 
@@ -216,9 +218,11 @@ def tenant_weights_subject(run_id: str, tenant: str = DEFAULT_TENANT) -> str:
     return _with_tenant("plexrl.weights", validate_run_id(run_id), tenant)
 
 
-def generate_subject(tenant: str = DEFAULT_TENANT) -> str:
-    """``plexrl.inference[.<tenant>].generate``."""
-    return _with_tenant("plexrl.inference", "generate", tenant)
+def generate_subject(tenant: str = DEFAULT_TENANT, kind: str = "generate") -> str:
+    """``plexrl.inference[.<tenant>].generate``; with ``kind="cancel"`` where GenerateCancel goes."""
+    if kind not in ("generate", "cancel"):
+        raise ValueError(f"unknown inference subject kind {kind!r}")
+    return _with_tenant("plexrl.inference", kind, tenant)
 
 
 def registry_list_subject(tenant: str = DEFAULT_TENANT) -> str:
@@ -378,6 +382,15 @@ CHANNELS: tuple[Channel, ...] = (
         summary="completions with per-token log-probabilities under a run's adapter",
         reply=(GenerateResponse,),
         queue_group=INFERENCE_QUEUE_GROUP,
+    ),
+    Channel(
+        "inference_cancel",
+        CANCEL,
+        None,
+        (GenerateCancel,),
+        producers="the gateway",
+        consumers="every inference replica (no queue group)",
+        summary="a generate request's requester gave up: the replica holding it drops it",
     ),
     Channel(
         "inference_generate_progress",

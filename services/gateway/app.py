@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import secrets
 import socket
 from collections.abc import Awaitable, Callable, Iterator
@@ -45,6 +46,7 @@ from services.gateway.text import TextCodec
 log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 
 MAX_JSON_DEPTH = 64
 """how deeply a request body's JSON may nest (every body the APIs define nests a few levels)"""
@@ -116,9 +118,13 @@ class TenantFutures:
     tenant: str
 
     def start(
-        self, key: str, work: Callable[[], Awaitable[Outcome]], order: str | None = None
+        self,
+        key: str,
+        work: Callable[[], Awaitable[Outcome]],
+        order: str | None = None,
+        on_done: Callable[[], None] | None = None,
     ) -> str:
-        return self.futures.start(self.tenant, key, work, order)
+        return self.futures.start(self.tenant, key, work, order, on_done)
 
     async def wait(self, future_id: str, timeout: float) -> Outcome | None:
         return await self.futures.wait(self.tenant, future_id, timeout)
@@ -167,8 +173,12 @@ def error_response(request: Request, exc: GatewayError) -> JSONResponse:
     from services.gateway.tinker_api import tinker_error
 
     if request.url.path.startswith("/api/"):
-        return tinker_error(exc.status, exc.message)
-    return openai_error(exc.status, exc.message, exc.code)
+        response = tinker_error(exc.status, exc.message)
+    else:
+        response = openai_error(exc.status, exc.message, exc.code)
+    if exc.retry_after is not None:  # whole seconds, as RFC 9110 has it, at least 1
+        response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
+    return response
 
 
 async def authenticate(
@@ -201,6 +211,32 @@ class ClientGone(GatewayError):
 
     def __init__(self) -> None:
         super().__init__(499, "the client disconnected", "client_closed_request")
+
+
+async def while_connected(request: Request, work: Awaitable[T]) -> T:
+    """``work``'s result, or :class:`ClientGone` once the client disconnects first: then
+    ``work`` is cancelled (a generation tells inference to drop it)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        gone.cancel()
+        raise
+    gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    log.debug("gateway: %s %s: the client left mid-request", request.method, request.url.path)
+    raise ClientGone()
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns once the client has closed the connection (the body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -27,11 +27,12 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import APIError
 
-from schemas.codec import DecodeError, decode
+from schemas.codec import DecodeError, decode, encode
 from schemas.config import ConfigError, orch_config_from_dict
 from schemas.events import (
     Event,
     EvictRequested,
+    GenerateCancel,
     GenerateRequest,
     GenerateResponse,
     RunConfigInvalid,
@@ -49,8 +50,13 @@ from schemas.subjects import (
 from schemas.training import train_subject
 from services.bus import Bus
 from services.bus.last import last_message
+from services.gateway.admission import Admission, Ticket
+from services.gateway.errors import GatewayError
+from services.gateway.run_table import RunTable
 from services.gateway.settings import GatewaySettings
 from services.runs.table import RunListFailed, list_runs
+
+__all__ = ["Backend", "GatewayError", "ModelRef"]
 
 log = logging.getLogger(__name__)
 
@@ -76,17 +82,6 @@ _TRANSIENT = re.compile(
     r"unknown run|no adapter|not serving|busy|overloaded|try again|shutting down|draining",
     re.IGNORECASE,
 )
-
-
-class GatewayError(Exception):
-    """A request the gateway cannot serve: ``status`` is the HTTP status, ``code`` a short
-    machine-readable reason (``model_not_found``, ``invalid_request``...)."""
-
-    def __init__(self, status: int, message: str, code: str = "invalid_request") -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -121,13 +116,23 @@ class Backend:
     """The bus operations behind every route (see the module docstring)."""
 
     def __init__(
-        self, bus: Bus, settings: GatewaySettings, tenant: str, base_run_id: str | None = None
+        self,
+        bus: Bus,
+        settings: GatewaySettings,
+        tenant: str,
+        base_run_id: str | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self.bus = bus
         self.settings = settings
         self.tenant = tenant
         self.base_run_id = base_run_id or settings.base_run_id
         """the label of this tenant's base-model requests (they need no run)"""
+        self.admission = admission or Admission(
+            settings.max_inflight_requests, settings.max_inflight_tokens, settings.retry_after_s
+        )
+        """the gateway's bound on generation under way, shared by every tenant's backend"""
+        self.table = RunTable(bus, tenant)
         self._giving_up: set[asyncio.Task[None]] = set()
 
     # --- runs -------------------------------------------------------------------------------
@@ -146,6 +151,20 @@ class Backend:
             raise GatewayError(502, str(exc), "registry_error") from exc
 
     async def run(self, run_id: str) -> RunRow | None:
+        """``run_id``'s row, from the run table this gateway follows (run_table.py)."""
+        try:
+            return await self.table.row(run_id)
+        except (NatsTimeout, NoRespondersError) as exc:
+            raise GatewayError(
+                503,
+                "no registry answers the run list; is `plexrl registry` running?",
+                "unavailable",
+            ) from exc
+        except RunListFailed as exc:
+            raise GatewayError(502, str(exc), "registry_error") from exc
+
+    async def listed_run(self, run_id: str) -> RunRow | None:
+        """``run_id``'s row as the registry lists it now (its progress included)."""
         return next((r for r in await self.runs() if r.run_id == run_id), None)
 
     async def submit(self, run_id: str, config: dict[str, Any], by: str) -> RunRow:
@@ -194,7 +213,7 @@ class Backend:
         while time.monotonic() < deadline:
             if refused:
                 raise GatewayError(400, f"the registry refused {run_id}: {refused[0]}", "refused")
-            row = await self.run(run_id)
+            row = await self.listed_run(run_id)
             taken = row.config_digest if row is not None and row.status in HOLDING_STATUSES else ""
             if digest and taken not in ("", digest):
                 raise GatewayError(
@@ -231,7 +250,7 @@ class Backend:
             await self.evict(run_id, "its client gave up waiting for a free run slot")
             deadline = time.monotonic() + 30.0
             while time.monotonic() < deadline:
-                row = await self.run(run_id)
+                row = await self.listed_run(run_id)
                 if row is None or row.status in ("evicted", "invalid"):
                     break
                 await asyncio.sleep(RETRY_PAUSE_S)
@@ -294,6 +313,7 @@ class Backend:
         if version > 0:
             published = await self.published_version(run_id)
             if version > published:
+                row = await self.listed_run(run_id) or row  # its progress, for the message
                 raise GatewayError(
                     404,
                     f"model {model!r} is not available: the newest weights {run_id} has "
@@ -326,31 +346,48 @@ class Backend:
         top_logprobs: int = 0,
         prompt_logprobs: bool = False,
         ignore_eos: bool = False,
+        ticket: Ticket | None = None,
     ) -> GenerateResponse:
         """Completions from inference, retried while the condition is transient. A request of
         more prompts than ``max_prompts`` or more than ``max_request_tokens`` tokens to
-        generate (prompts x n x max_tokens) is a 400 naming the limit. ``ref`` says what
-        generates them: a run's newest version, exactly one version, or the base model."""
+        generate (prompts x n x max_tokens) is a 400 naming the limit; one past the gateway's
+        bound on generation under way (admission.py: ``ticket`` when the caller took one
+        already) or refused by an overloaded replica is a 429 with a retry-after. ``ref`` says
+        what generates them: a run's newest version, exactly one version, or the base model.
+        Cancelled (its HTTP client left, a Tinker sample was cancelled), it tells inference to
+        drop the request."""
         self.check_work(len(prompts), n, max_tokens)
+        if ticket is None:
+            ticket = self.admission.admit(len(prompts), n, max_tokens)
         timeout = self.settings.request_timeout_s
-        request = GenerateRequest(
-            request_id=new_request_id("gw"),
-            run_id=ref.run_id,
-            prompts=prompts,
-            n=n,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            min_policy_version=ref.min_version,
-            seed=seed,
-            timeout_s=min(timeout, 3600.0),
-            prompt_logprobs=prompt_logprobs,
-            top_logprobs=top_logprobs,
-            top_k=top_k,
-            ignore_eos=ignore_eos,
-            exact_version=ref.exact,
-            base_model=ref.is_base,
-        )
+        with ticket:
+            request = GenerateRequest(
+                request_id=new_request_id("gw"),
+                run_id=ref.run_id,
+                prompts=prompts,
+                n=n,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                min_policy_version=ref.min_version,
+                seed=seed,
+                timeout_s=min(timeout, 3600.0),
+                prompt_logprobs=prompt_logprobs,
+                top_logprobs=top_logprobs,
+                top_k=top_k,
+                ignore_eos=ignore_eos,
+                exact_version=ref.exact,
+                base_model=ref.is_base,
+                deadline=time.time() + timeout,
+                source="http",
+            )
+            try:
+                return await self._generate(request, timeout)
+            except asyncio.CancelledError:
+                self._cancel(request.request_id)
+                raise
+
+    async def _generate(self, request: GenerateRequest, timeout: float) -> GenerateResponse:
         subject = generate_subject(self.tenant)
         deadline = time.monotonic() + timeout
         while True:
@@ -366,12 +403,37 @@ class Backend:
             else:
                 if answer.error is None:
                     return answer
+                if answer.error_code == "overloaded":
+                    raise GatewayError(
+                        429,
+                        f"inference is at its bound: {answer.error}",
+                        "overloaded",
+                        retry_after=answer.retry_after_s or self.settings.retry_after_s,
+                    )
+                if answer.error_code == "deadline_exceeded":
+                    raise GatewayError(
+                        504, f"inference did not finish within {timeout:g}s", "timeout"
+                    )
                 if not _TRANSIENT.search(answer.error):
                     raise GatewayError(400, f"inference refused the request: {answer.error}")
                 reason = f"inference: {answer.error}"
             if time.monotonic() + RETRY_PAUSE_S >= deadline:
                 raise GatewayError(503, reason, "unavailable")
             await asyncio.sleep(RETRY_PAUSE_S)
+
+    def _cancel(self, request_id: str) -> None:
+        """Tell inference that nobody waits for ``request_id`` any more (fire and forget)."""
+
+        async def send() -> None:
+            cancel = GenerateCancel(request_id=request_id, reason="the HTTP client gave up")
+            try:
+                await self.bus.nc.publish(generate_subject(self.tenant, "cancel"), encode(cancel))
+            except Exception as exc:  # a closing connection: the deadline still ends it
+                log.debug("gateway: could not cancel %s: %s", request_id, exc)
+
+        task = asyncio.create_task(send(), name=f"cancel {request_id}")
+        self._giving_up.add(task)
+        task.add_done_callback(self._giving_up.discard)
 
     def check_work(self, num_prompts: int, n: int, max_tokens: int) -> None:
         settings = self.settings

@@ -77,13 +77,17 @@ class Futures:
         key: str,
         work: Callable[[], Awaitable[Outcome]],
         order: str | None = None,
+        on_done: Callable[[], None] | None = None,
     ) -> str:
         """Run ``work`` as the future of ``owner``'s request ``key``, after the earlier work of
         the same ``order`` key of the same owner; its id. A key already known is not run again:
-        its future's id is returned."""
+        its future's id is returned. ``on_done()`` is called once the future is done (at once
+        for a key already known), whether ``work`` ran or not."""
         self._expire()
         known = self._ids.get((owner, key))
         if known is not None:
+            if on_done is not None:
+                on_done()
             return known
         self.counter.begin(owner)
         future_id = f"{key.partition(':')[0] or 'future'}-{secrets.token_urlsafe(18)}"
@@ -97,6 +101,8 @@ class Futures:
         def done(_: asyncio.Task[Outcome]) -> None:
             entry.finished_at = time.monotonic()
             self.counter.end(owner)
+            if on_done is not None:
+                on_done()
 
         task.add_done_callback(done)
         if tail:

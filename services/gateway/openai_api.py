@@ -12,7 +12,10 @@ strings end a completion where they first appear, as OpenAI does. Parameters ple
 implement are refused by name (:mod:`services.gateway.openai_params`).
 
 Errors are OpenAI's JSON: ``{"error": {"message", "type", "param", "code"}}`` with the HTTP
-status the official clients map to their exceptions (400, 404, 413, 503...).
+status the official clients map to their exceptions (400, 404, 413, 503...); past the
+gateway's or a replica's bound on generation under way, a 429 with ``Retry-After`` (which the
+official clients wait out and retry). A client that disconnects before its answer has its
+generation cancelled, in inference too.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from schemas.events import Completion, GenerateResponse, TopLogprobs
-from services.gateway.app import Scope, gateway_of, parse_body, read_json
+from services.gateway.app import Scope, gateway_of, parse_body, read_json, while_connected
 from services.gateway.backend import RUN_ID, GatewayError
 from services.gateway.observe import note_run
 from services.gateway.openai_params import ChatRequest, CompletionRequest, Sampling
@@ -101,7 +104,7 @@ async def _generate(
                 f"a prompt of {len(ids)} tokens plus max_tokens {max_tokens} exceeds the model's "
                 f"context of {gateway.codec.context_len} tokens",
             )
-    return await gateway.backend.generate(
+    generation = gateway.backend.generate(
         ref,
         prompts,
         n=req.n,
@@ -112,6 +115,7 @@ async def _generate(
         top_k=max(req.top_k, 0),
         **scores,
     )
+    return await while_connected(request, generation)
 
 
 def _usage(prompts: list[list[int]], choices: list[_Choice]) -> dict[str, int]:

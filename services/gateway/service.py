@@ -19,6 +19,7 @@ from pathlib import Path
 
 from services.bus import Bus, BusUnavailable
 from services.config import process_settings
+from services.gateway.admission import Admission
 from services.gateway.app import Gateway, build_app, serve_http
 from services.gateway.backend import Backend, GatewayError
 from services.gateway.settings import GatewaySettings
@@ -41,7 +42,11 @@ def base_run_id_of(tenant: str, seed: Path) -> str:
 
 
 def tenancy_for(settings: GatewaySettings, bus: Bus) -> Tenancy:
-    """Keyless for the gateway's own tenant without a tenants file; keyed with one."""
+    """Keyless for the gateway's own tenant without a tenants file; keyed with one. Every
+    tenant's backend counts against one bound on generation under way."""
+    admission = Admission(
+        settings.max_inflight_requests, settings.max_inflight_tokens, settings.retry_after_s
+    )
     if settings.tenants_file is None:
         tenant = process_settings().tenant
         if not is_loopback(settings.host) and not settings.allow_no_keys:
@@ -57,7 +62,7 @@ def tenancy_for(settings: GatewaySettings, bus: Bus) -> Tenancy:
         )
         log.warning(message)
         print(f"plexrl {message}", flush=True)
-        return Tenancy(settings, default=Backend(bus, settings, tenant))
+        return Tenancy(settings, default=Backend(bus, settings, tenant, admission=admission))
     directory = settings.tenants_file.parent
     url = ",".join(bus.servers)
 
@@ -74,7 +79,7 @@ def tenancy_for(settings: GatewaySettings, bus: Bus) -> Tenancy:
                 503, f"the gateway cannot reach NATS as tenant {tenant}: {exc}", "unavailable"
             ) from None
         log.info("gateway: connected for tenant %s", tenant)
-        return Backend(tenant_bus, settings, tenant, base_run_id=base)
+        return Backend(tenant_bus, settings, tenant, base_run_id=base, admission=admission)
 
     return Tenancy(settings, connect=connect)
 

@@ -80,6 +80,28 @@ class GatewaySettings(BaseModel):
         description="requests and Tinker futures one API key may have under way at once; more "
         "are answered 429",
     )
+    max_inflight_requests: int = Field(
+        256,
+        ge=1,
+        le=1_000_000,
+        description="sampling requests (OpenAI completions, Tinker samples) this gateway has "
+        "under way at once, across every tenant; one more is answered 429 with Retry-After at "
+        "once, never queued",
+    )
+    max_inflight_tokens: int = Field(
+        1 << 21,
+        ge=1,
+        le=1 << 40,
+        description="tokens to generate (prompts x n x max_tokens) of the sampling requests "
+        "under way at once; past it a request is answered 429 with Retry-After",
+    )
+    retry_after_s: float = Field(
+        1.0,
+        gt=0,
+        le=3600,
+        description="the Retry-After of a 429 for generation past the gateway's bound (an "
+        "overloaded inference replica gives its own)",
+    )
     max_connections: int = Field(
         1024,
         ge=16,

@@ -17,8 +17,9 @@ What the ``tinker`` SDK sends, and what plexrl answers:
   end without ``max_tokens`` and through end-of-sequence with ``stop=[]``.
 - ``retrieve_future``: a future's outcome, held for up to ``poll_s`` while it runs, then
   ``try_again``; results the SDK reads as protobuf (samples, forward_backward outputs) are sent
-  as protobuf. ``cancel_future`` cancels a sample still running (training commands already sent
-  cannot be called back: 400).
+  as protobuf. ``cancel_future`` cancels a sample still running, in inference too (training
+  commands already sent cannot be called back: 400). An ``asample`` past the gateway's bound on
+  generation under way is a 429 with ``Retry-After`` at once, before any future is made.
 
 The training routes are in :mod:`services.gateway.tinker_training`, checkpoints and training
 runs in :mod:`services.gateway.tinker_checkpoints`. Routes the SDK knows and plexrl does not
@@ -36,6 +37,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from services.gateway import wire
+from services.gateway.admission import Ticket
 from services.gateway.app import Scope, gateway_of, parse_body, read_json
 from services.gateway.backend import GatewayError, ModelRef
 from services.gateway.futures import Outcome
@@ -201,9 +203,10 @@ def _stopped(ids: list[int], stops: list[Any], gateway: Scope) -> int:
 
 
 async def _sample(
-    gateway: Scope, ref: ModelRef, body: SampleBody, n: int, max_tokens: int
+    gateway: Scope, ref: ModelRef, body: SampleBody, n: int, max_tokens: int, ticket: Ticket
 ) -> Outcome:
-    """The samples of an ``asample`` request whose ``n`` and ``max_tokens`` were checked."""
+    """The samples of an ``asample`` request whose ``n`` and ``max_tokens`` were checked, under
+    the ``ticket`` it was admitted with."""
     params = body.sampling_params
     prompt = _prompt_tokens(body)
     k_prompt, k_sample = body.topk_prompt_logprobs or 0, body.topk_sample_logprobs or 0
@@ -220,6 +223,7 @@ async def _sample(
         top_logprobs=max(k_prompt if scored else 0, k_sample),
         prompt_logprobs=scored,
         ignore_eos=params.stop == [],
+        ticket=ticket,
     )
     stops = params.stop
     stops = [stops] if isinstance(stops, str | int) else list(stops or [])
@@ -309,9 +313,18 @@ async def asample(request: Request) -> dict[str, Any]:
         ref = await model_path_ref(gateway, body.model_path, body.base_model)
         request_id = f"sample:{uuid.uuid4().hex}"
     note_run(request, ref.run_id)
-    future_id = gateway.futures.start(
-        request_id, lambda: _sample(gateway, ref, body, n, max_tokens)
-    )
+    # Admitted now or refused now (429): a sample's future never waits for room.
+    gateway.backend.check_work(1, n, max_tokens)
+    ticket = gateway.backend.admission.admit(1, n, max_tokens)
+    try:
+        future_id = gateway.futures.start(
+            request_id,
+            lambda: _sample(gateway, ref, body, n, max_tokens, ticket),
+            on_done=ticket.release,
+        )
+    except GatewayError:  # the key's own limit: no future, so nothing holds the ticket
+        ticket.release()
+        raise
     return {
         "request_id": future_id,
         "sample_sequence_ids": [f"{future_id}/{i}" for i in range(n)],

@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
 
     from services.config import SettingsError, nats_url, settings_from_args
+    from services.inference.admission import HttpBound
     from services.inference.service import InferenceService
     from services.launch import fail, run_service
     from services.model.loader import ModelDirectoryError, check_model_dir
@@ -67,6 +68,11 @@ def run(args: argparse.Namespace) -> int:
             weight_load_attempts=settings.weight_load_attempts,
             weight_transport=settings.weight_transport,
             max_request_tokens=settings.max_request_tokens,
+            http_bound=HttpBound(
+                settings.max_http_requests,
+                settings.max_http_tokens,
+                settings.overload_retry_after_s,
+            ),
         )
         await service.run(stop)
 
@@ -110,4 +116,5 @@ def build_engine(settings: Any) -> Any:
         max_num_seqs=settings.max_num_seqs,
         paged=settings.paged,
         cuda_graphs=settings.cuda_graphs,
+        http_share=settings.http_share,
     )

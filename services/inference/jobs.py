@@ -20,7 +20,8 @@ from typing import Any, Protocol
 
 import torch
 
-from schemas.events import Completion, PromptLogprobs, WeightsReady
+from schemas.events import Completion, GenerateRequest, PromptLogprobs, WeightsReady
+from schemas.tenant import DEFAULT_TENANT
 
 
 @dataclass(frozen=True)
@@ -43,11 +44,41 @@ class Job:
     prompt_logprobs: bool = False
     exact: bool = False
     """serve ``min_version`` exactly (the slot is then the version's snapshot)"""
+    source: str = "rollout"
+    """``rollout`` (scheduled first) or ``http`` (HTTP sampling: a bounded share of the batch)"""
+    tenant: str = DEFAULT_TENANT
+    """whose request it is: HTTP sampling is admitted round-robin across tenants"""
+    deadline: float | None = None
+    """unix time after which the job is dropped, queued or generating (None: never)"""
 
     @property
     def token_budget(self) -> int:
         """Tokens the job may hold in the KV cache at its longest: prompts plus completions."""
         return self.n * sum(len(p) + self.max_tokens for p in self.prompts)
+
+
+def job_of(req: GenerateRequest, slot: int, seed: int, tenant: str = DEFAULT_TENANT) -> Job:
+    """The engine's job of ``tenant``'s request ``req``, served from ``slot``."""
+    return Job(
+        request_id=req.request_id,
+        run_id=req.run_id,
+        slot=slot,
+        prompts=req.prompts,
+        n=req.n,
+        max_tokens=req.max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        min_version=req.min_policy_version,
+        seed=seed,
+        top_k=req.top_k,
+        ignore_eos=req.ignore_eos,
+        top_logprobs=req.top_logprobs,
+        prompt_logprobs=req.prompt_logprobs,
+        exact=req.exact_version,
+        source=req.source,
+        tenant=tenant,
+        deadline=req.deadline,
+    )
 
 
 @dataclass(frozen=True)
@@ -83,6 +114,11 @@ class InstalledFullWeights:
     run_id: str
     version: int | None
     reason: str = ""
+
+
+class DeadlineExceeded(Exception):
+    """The job's deadline passed before it finished: it was dropped (its rows and KV blocks
+    freed) and nothing it generated is kept."""
 
 
 class SlotChanged(Exception):

@@ -32,6 +32,10 @@ class RequestFailed(Exception):
     """A request that cannot be served; the message is the error the reply carries."""
 
 
+class WrongTenant(RequestFailed):
+    """A request on a tenant's subject for a run of another tenant."""
+
+
 def check_request(
     req: GenerateRequest, vocab_size: int, max_model_len: int, max_request_tokens: int = 1 << 62
 ) -> None:
@@ -83,10 +87,22 @@ def request_seed(seed: int | None) -> int:
     return secrets.randbits(63) if seed is None else seed
 
 
-def failure(request_id: str, run_id: str, error: str) -> GenerateResponse:
-    """The error reply: no completions, and ``error`` saying why."""
+def failure(
+    request_id: str,
+    run_id: str,
+    error: str,
+    code: str | None = None,
+    retry_after_s: float | None = None,
+) -> GenerateResponse:
+    """The error reply: no completions, ``error`` saying why (``code`` for a machine)."""
     return GenerateResponse(
-        request_id=request_id, run_id=run_id, policy_version=0, completions=[], error=error
+        request_id=request_id,
+        run_id=run_id,
+        policy_version=0,
+        completions=[],
+        error=error,
+        error_code=code,
+        retry_after_s=retry_after_s,
     )
 
 

@@ -26,6 +26,8 @@
 - A request naming a ``progress_subject`` (an inbox of its tenant; any other subject is
   refused as malformed) hears GenerateProgress there while it waits for its version and while
   it generates, until its reply is sent (:class:`~services.inference.progress.ProgressBeacon`).
+- Load (admission.py, schedule.py): HTTP sampling past the replica's bound is refused at once;
+  a request past its ``deadline`` or cancelled is dropped; rollouts are scheduled first.
 """
 
 from __future__ import annotations
@@ -45,11 +47,20 @@ from schemas.codec import DecodeError, decode, salvage_id
 from schemas.events import GenerateRequest, GenerateResponse, WeightsReady
 from schemas.tenant import DEFAULT_TENANT
 from services.bus import Bus, flushed, tracing
+from services.inference.admission import Held, HttpBound, past_deadline, wait_limit
 from services.inference.exact import ExactVersions
-from services.inference.jobs import Engine, Job, JobResult, LoadInto, SlotChanged
+from services.inference.jobs import (
+    DeadlineExceeded,
+    Engine,
+    JobResult,
+    LoadInto,
+    SlotChanged,
+    job_of,
+)
 from services.inference.progress import ProgressBeacon
 from services.inference.requests import (
     RequestFailed,
+    WrongTenant,
     check_progress,
     check_request,
     failure,
@@ -65,10 +76,6 @@ from services.weights.collective import CollectiveReceiver
 from services.weights.transport import WeightFetcher
 
 log = logging.getLogger(__name__)
-
-
-class WrongTenant(RequestFailed):
-    """A request on a tenant's subject for a run of another tenant."""
 
 
 SYNC_INTERVAL = 0.1
@@ -90,8 +97,11 @@ class InferenceService:
         shutdown_grace: float = 30.0,
         weight_transport: str = "object_store",
         max_request_tokens: int = 1 << 22,
+        http_bound: HttpBound | None = None,
     ) -> None:
         self.bus = bus
+        self.http_bound = http_bound or HttpBound(1 << 30, 1 << 62, 1.0)
+        self.held = Held(bus)
         self.engine = engine
         self.replica_name = replica_name
         self.max_request_tokens = max_request_tokens
@@ -152,6 +162,8 @@ class InferenceService:
                     subject, queue=sj.INFERENCE_QUEUE_GROUP, cb=self._on_request
                 )
             )
+        for subject in (sj.CANCEL, sj.CANCEL_TENANTS):  # every replica hears every cancel
+            self._subs.append(await self.bus.nc.subscribe(subject, cb=self.held.on_cancel))
         # Once the server has the subscription, a request sent after start() finds a responder.
         await flushed(self.bus.nc)
         log.info(
@@ -353,13 +365,21 @@ class InferenceService:
         span.set_attribute("run_id", req.run_id)
         span.set_attribute("request_id", req.request_id)
         span.set_attribute("tenant", tenant)
+        refused, tokens = self.held.admit(req, tenant, self.http_bound)
+        if refused is not None:
+            return refused
+        work = asyncio.ensure_future(self._generate_held(req, tenant, headers))
+        self.held.add(tenant, req.request_id, work)
         try:
-            if req.progress_subject is None:
-                slot, result = await self._generate(req, tenant, None)
-            else:
-                fmt = request_format(headers)
-                async with ProgressBeacon(self.bus.nc, req, self.replica_name, fmt) as beacon:
-                    slot, result = await self._generate(req, tenant, beacon)
+            slot, result = await work
+        except asyncio.CancelledError:
+            if work not in self.held.cancelled:
+                raise  # this replica is stopping
+            self.held.count("cancelled", req.run_id, tenant)
+            return failure(req.request_id, req.run_id, "cancelled by its requester", "cancelled")
+        except DeadlineExceeded as exc:
+            self.held.count("deadline", req.run_id, tenant)
+            return failure(req.request_id, req.run_id, str(exc), "deadline_exceeded")
         except WrongTenant as exc:
             log.warning("refused a generate request on %s: %s", subject, exc)
             await self.bus.report_invalid(subject, str(exc), data)
@@ -369,6 +389,9 @@ class InferenceService:
         except Exception as exc:  # a failing batch answers its requests, it never kills us
             log.exception("generation failed for %s", req.request_id)
             return failure(req.request_id, req.run_id, f"generation failed: {exc}")
+        finally:
+            self.held.discard(tenant, req.request_id, work)
+            self.http_bound.give_back(req, tokens)
         self.served[req.run_id] += 1
         span.set_attribute("idx", slot)
         span.set_attribute("policy_version", result.policy_version)
@@ -381,11 +404,20 @@ class InferenceService:
             prompt_logprobs=result.prompt_logprobs,
         )
 
+    async def _generate_held(
+        self, req: GenerateRequest, tenant: str, headers: dict[str, str]
+    ) -> tuple[int, JobResult]:
+        if req.progress_subject is None:
+            return await self._generate(req, tenant, None)
+        beacon = ProgressBeacon(self.bus.nc, req, self.replica_name, request_format(headers))
+        async with beacon:
+            return await self._generate(req, tenant, beacon)
+
     async def _generate(
         self, req: GenerateRequest, tenant: str, beacon: ProgressBeacon | None
     ) -> tuple[int, JobResult]:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + req.timeout_s
+        deadline = loop.time() + wait_limit(req)
         seed = request_seed(req.seed)
         while True:
             changed = self._changed
@@ -395,7 +427,7 @@ class InferenceService:
                     "again (another replica can serve it)"
                 )
             if req.base_model:
-                return NO_ADAPTER, await self._generate_base(req, seed, beacon)
+                return NO_ADAPTER, await self._generate_base(req, tenant, seed, beacon)
             slot = await self._slot_of(req.run_id)
             if slot is None:
                 raise RequestFailed(
@@ -420,7 +452,7 @@ class InferenceService:
             if req.exact_version:
                 serving = await self.exact.slot(req, slot, version, owner or DEFAULT_TENANT)
             if serving is not None and version is not None and version >= req.min_policy_version:
-                job = _job(req, serving, seed)
+                job = job_of(req, serving, seed, tenant)
                 if beacon is not None:
                     beacon.state = "generating"
                 try:
@@ -430,6 +462,8 @@ class InferenceService:
                         beacon.state = "waiting_for_version"
                     continue
             remaining = deadline - loop.time()
+            if remaining <= 0 and past_deadline(req):
+                raise DeadlineExceeded(f"{req.request_id}: its deadline passed while it waited")
             if remaining <= 0:
                 have = "no version" if version is None else f"policy version {version}"
                 why = f" ({full.reason})" if full is not None and full.reason else ""
@@ -444,7 +478,7 @@ class InferenceService:
                 pass
 
     async def _generate_base(
-        self, req: GenerateRequest, seed: int, beacon: ProgressBeacon | None
+        self, req: GenerateRequest, tenant: str, seed: int, beacon: ProgressBeacon | None
     ) -> JobResult:
         """The base model's completions (no adapter, no run): version 0 of every run."""
         full = self.engine.full_weights
@@ -456,31 +490,10 @@ class InferenceService:
             )
         if beacon is not None:
             beacon.state = "generating"
-        return await self.engine.generate(_job(req, NO_ADAPTER, seed))
+        return await self.engine.generate(job_of(req, NO_ADAPTER, seed, tenant))
 
     async def _reply(self, msg: Msg, response: GenerateResponse, headers: dict[str, str]) -> None:
         try:
             await send_reply(self.bus.nc, msg.reply, response, headers, self.replica_name)
         except Exception as exc:  # the requester's connection may be gone; nothing to retry
             log.warning("could not reply to %s: %s", response.request_id or "?", exc)
-
-
-def _job(req: GenerateRequest, slot: int, seed: int) -> Job:
-    """The engine's job of ``req``, served from ``slot``."""
-    return Job(
-        request_id=req.request_id,
-        run_id=req.run_id,
-        slot=slot,
-        prompts=req.prompts,
-        n=req.n,
-        max_tokens=req.max_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        min_version=req.min_policy_version,
-        seed=seed,
-        top_k=req.top_k,
-        ignore_eos=req.ignore_eos,
-        top_logprobs=req.top_logprobs,
-        prompt_logprobs=req.prompt_logprobs,
-        exact=req.exact_version,
-    )

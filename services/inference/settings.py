@@ -76,6 +76,36 @@ class InferenceSettings(BaseModel):
         description="largest generation one request may ask for: prompts x n x max_tokens; a "
         "bigger request is refused with an error saying so",
     )
+    max_http_requests: int = Field(
+        256,
+        ge=1,
+        le=1_000_000,
+        description="HTTP sampling requests (the gateway's) this replica holds at once, waiting "
+        "or generating; one more is refused at once as overloaded (the gateway answers 429 "
+        "with Retry-After). Rollouts are never refused by it",
+    )
+    max_http_tokens: int = Field(
+        1 << 20,
+        ge=1,
+        le=1 << 40,
+        description="prompt plus completion tokens (n x (prompt + max_tokens) per request) of "
+        "the HTTP sampling this replica holds at once; past it a request is refused as "
+        "overloaded",
+    )
+    http_share: float = Field(
+        0.25,
+        gt=0.0,
+        le=1.0,
+        description="torch engine: the most of the batch's rows and KV cache HTTP sampling may "
+        "hold; rollouts are admitted first and keep the rest, so public load slows RL runs by a "
+        "bounded share (1: no reserve, for a replica that serves HTTP sampling only)",
+    )
+    overload_retry_after_s: float = Field(
+        1.0,
+        gt=0.0,
+        le=3600.0,
+        description="the retry_after_s an overloaded refusal carries (the gateway's Retry-After)",
+    )
     max_num_seqs: int = Field(
         256,
         ge=1,

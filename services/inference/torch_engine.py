@@ -48,6 +48,7 @@ from services.inference.continuous import (
     job_specs,
 )
 from services.inference.jobs import InstalledFullWeights, Job, JobResult, LoadInto, SlotChanged
+from services.inference.schedule import WaitingJobs
 from services.inference.snapshots import Snapshots
 from services.model.paged_generate import PagedGenerator
 from services.model.sampling import SequenceSpec, eos_token_ids, generate_batch
@@ -81,8 +82,10 @@ class TorchEngine:
         paged: bool = True,
         cuda_graphs: bool = True,
         max_snapshots: int = 0,
+        http_share: float = 1.0,
     ) -> None:
         self.model_dir = Path(model_dir)
+        self.http_share = http_share
         self.max_runs = max_runs
         self.max_snapshots = max_snapshots
         self.snapshots: Snapshots | None = None
@@ -180,7 +183,11 @@ class TorchEngine:
             cuda_graphs=self.cuda_graphs and self.device.type == "cuda",
         )
         self.continuous = ContinuousLoop(
-            self.generator, self.bank, lambda: self.full_weights, self._resolve_threadsafe
+            self.generator,
+            self.bank,
+            lambda: self.full_weights,
+            self._resolve_threadsafe,
+            http_share=self.http_share,
         )
 
     async def close(self) -> None:
@@ -190,8 +197,9 @@ class TorchEngine:
             self._batcher = None
         waiting = [item.future for item in _drain_queue(self._queue)]
         if self.continuous is not None:
-            waiting += [w.future for w in self.continuous.inbox]
+            waiting += [w.future for w in self.continuous.pending()]
             self.continuous.inbox.clear()
+            self.continuous.waiting = WaitingJobs()
         for future in waiting:
             if not future.done():
                 future.set_exception(RuntimeError("the inference engine is shutting down"))
@@ -365,7 +373,7 @@ class TorchEngine:
         assert self._loop is not None and self.continuous is not None
         cont = self.continuous
         cont.inbox.extend(Waiting(q.job, q.future) for q in live)
-        while cont.inbox:
+        while cont.inbox or cont.waiting:
             async with self._model_lock:
                 self.num_batches += 1
                 self._serving = True

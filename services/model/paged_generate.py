@@ -385,6 +385,13 @@ class PagedGenerator:
         st.positions.index_fill_(0, holes, 0)
         st.slot_ids.index_fill_(0, holes, -1)
 
+    def release(self, seqs: Sequence[ActiveSequence]) -> None:
+        """Stop ``seqs`` before they finish (their caller gave up): their rows and blocks are
+        free for the next :meth:`add`."""
+        held = [seq for seq in seqs if self.rows[seq.row] is seq]
+        if held:
+            self._release(held)
+
     def reset(self) -> None:
         """Drop every sequence (after a failed step), giving back all rows and blocks."""
         held = self.active

@@ -85,6 +85,7 @@ def tenant_shares(tenant: str) -> tuple[Share, ...]:
     store = object_store_stream(t)
     same = [
         sj.generate_subject(t),
+        sj.generate_subject(t, "cancel"),
         sj.registry_list_subject(t),
         f"{TRAIN_FAMILY}.{t}.*",
     ]

@@ -228,3 +228,44 @@ def test_a_run_row_from_before_labels_has_none() -> None:
     old = b'{"type":"run_list","runs":[{"run_id":"run_a","status":"active","idx":0}]}'
     listed = decode(old, RunList)
     assert listed.runs[0].labels == {}
+
+
+# --- load: deadlines, request classes, overload (fields added with defaults) ---------------------
+
+
+def test_a_generate_request_from_before_deadlines_has_none_and_counts_as_a_rollout() -> None:
+    """An old message came from an orchestrator or from a gateway that knew no bound: it is
+    served as a rollout (never refused, never slowed by the HTTP share) with no deadline."""
+    doc = _with("generate_request/valid_4.json")
+    assert (doc["source"], doc["deadline"]) == ("http", 1780000120.5)
+    del doc["source"], doc["deadline"]
+    for target in (GenerateRequest, AnyEvent):
+        event = decode(json.dumps(doc).encode(), target)
+        assert isinstance(event, GenerateRequest)
+        assert (event.source, event.deadline, event.timeout_s) == ("rollout", None, 120.0)
+    assert list(validator("generate_request").iter_errors(doc)) == []
+
+
+def test_a_generate_response_from_before_error_codes_is_a_plain_error() -> None:
+    doc = _with("generate_response/valid_4.json")
+    assert (doc["error_code"], doc["retry_after_s"]) == ("overloaded", 1.0)
+    del doc["error_code"], doc["retry_after_s"]
+    event = decode(json.dumps(doc).encode(), GenerateResponse)
+    assert (event.error_code, event.retry_after_s) == (None, None)
+    assert event.error is not None and "max_http_requests" in event.error
+
+
+def test_an_old_reader_reads_an_overloaded_response_as_its_error_text() -> None:
+    class OldGenerateResponse(
+        msgspec.Struct, frozen=True, kw_only=True, tag="generate_response", tag_field="type"
+    ):
+        request_id: str
+        completions: list[list[OldCompletion]]
+        error: str | None = None
+
+    new = decode((CURRENT_DIR / "generate_response" / "valid_4.json").read_bytes(), AnyEvent)
+    assert isinstance(new, GenerateResponse) and new.error_code == "overloaded"
+    for fmt in ("json", "msgpack"):
+        header = MSGPACK if fmt == "msgpack" else None
+        old = decode(encode(new, fmt), OldGenerateResponse, content_type_header=header)  # type: ignore[arg-type]
+        assert (old.completions, old.error) == ([], new.error)

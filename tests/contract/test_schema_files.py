@@ -54,8 +54,8 @@ def test_generated_files_are_one_schema_per_event_plus_config_and_asyncapi() -> 
     expected = {f"json/{tag}.json" for tag in TAGS} | {"json/orch_config.json", "asyncapi.yaml"}
     expected |= {f"json/{name}.json" for name in ALL_RECORDS}
     assert set(files) == expected
-    assert len(ALL_EVENTS) == 25
-    assert len(TAGS) == len(ALL_EVENTS) + len(COLLECTIVE_MESSAGES) == 31
+    assert len(ALL_EVENTS) == 26
+    assert len(TAGS) == len(ALL_EVENTS) + len(COLLECTIVE_MESSAGES) == 32
 
 
 def test_committed_files_equal_generated(tmp_path: Path) -> None:
@@ -184,6 +184,7 @@ DESIGN_TABLE = {
     "plexrl.rollouts.{run_id}": ("PLEXRL_ROLLOUTS", ["rollout_batch"]),
     "plexrl.weights.{run_id}": ("PLEXRL_WEIGHTS", ["weights_ready"]),
     "plexrl.inference.generate": (None, ["generate_request"]),
+    "plexrl.inference.cancel": (None, ["generate_cancel"]),
     "{progress_subject}": (None, ["generate_progress"]),
     "plexrl.registry.list": (None, ["run_list_request"]),
     "plexrl.errors.{service}": ("PLEXRL_ERRORS", ["invalid_message", "service_error"]),

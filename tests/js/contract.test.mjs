@@ -100,5 +100,5 @@ test('asyncapi.yaml is a valid AsyncAPI 3 document', async () => {
   assert.ok(addresses.includes('plexrl.registry.list'));
   assert.ok(addresses.includes('{progress_subject}'));
   assert.ok(addresses.includes('plexrl.ingest.{tenant}.submit'));
-  assert.equal(document.operations().all().length, 48);
+  assert.equal(document.operations().all().length, 50);
 });
