@@ -100,7 +100,7 @@ class ScriptedReplica:
         for sub in self._subs:
             await sub.unsubscribe()
         self._subs.clear()
-        await self.bus.nc.flush()
+        await flushed(self.bus.nc)  # the server has dropped them once this returns
 
     async def _on_weights(self, msg: Msg) -> None:
         self.version = max(self.version, decode(msg.data, WeightsReady).step)
