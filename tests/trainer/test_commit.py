@@ -16,12 +16,15 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 from opentelemetry import context as otel_context
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
-from trainer_support import Parts, config, make_batch, same_tensors
+from torch.optim.lr_scheduler import LambdaLR
+from trainer_support import config, make_batch, same_tensors
 
+from schemas.records import Progress
 from schemas.subjects import ROLLOUTS_STREAM
 from services.bus import setup_tracing
 from services.trainer import commit
@@ -35,7 +38,7 @@ from services.trainer.checkpoint import (
 from services.trainer.commit import Committer
 from services.trainer.intake import Held
 from services.trainer.loss import RunLossStats
-from services.trainer.state import create_run_state
+from services.trainer.state import RunState
 from services.trainer.step import RunResult
 
 _spans = InMemorySpanExporter()
@@ -81,6 +84,21 @@ class FakePublisher:
         )
 
 
+class FakeSlots:
+    """One LoRA slot (idx 1) of one layer: what the committer publishes and checkpoints."""
+
+    kind = "lora"
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+
+    def __init__(self) -> None:
+        self.a = torch.arange(8.0).reshape(4, 2)
+        self.b = torch.arange(12.0).reshape(3, 4) / 10
+
+    def slot_state_dict(self, idx: int) -> dict[str, torch.Tensor]:
+        assert idx == 1
+        return {f"{self.prefix}.lora_A.weight": self.a, f"{self.prefix}.lora_B.weight": self.b}
+
+
 class FakeMirror:
     def __init__(self, log: list[Any], known: set[int]) -> None:
         self.log, self.known = log, known
@@ -95,15 +113,16 @@ class FakeMirror:
 class Bench:
     """A committer on a tiny model with recorders around it; ``log`` holds what happened."""
 
-    parts: Parts
+    slots: FakeSlots
+    run: RunState
     committer: Committer
     publisher: FakePublisher
     log: list[Any]
     metrics: list[dict[str, Any]]
     out: Path
 
-    def state(self, idx: int = 1):
-        return self.parts.states[idx]
+    def state(self) -> RunState:
+        return self.run
 
     def delivery(self, seq: int, **kw: Any) -> FakeDelivery:
         return FakeDelivery(self.log, seq, **kw)
@@ -129,7 +148,7 @@ def _result(step: int, **kw: Any) -> RunResult:
 
 
 @pytest.fixture
-def bench(tiny_dir, tmp_path, monkeypatch) -> Bench:
+def bench(tmp_path, monkeypatch) -> Bench:
     log: list[Any] = []
     metrics: list[dict[str, Any]] = []
 
@@ -164,21 +183,32 @@ def bench(tiny_dir, tmp_path, monkeypatch) -> Bench:
         commit, "record_trainer_step", lambda run_id, **kw: metrics.append({"run": run_id, **kw})
     )
     monkeypatch.delenv("PLEXRL_ROLLOUTS_KEEP_HISTORY", raising=False)
-    parts = Parts(tiny_dir, max_runs=2)
+    slots = FakeSlots()
     cfg = config(interval=2, max_steps=5)
-    parts.states[1] = create_run_state(parts.lora, 1, RUN, cfg, cfg.digest(), tenant="acme")
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    run = RunState(
+        idx=1,
+        run_id=RUN,
+        config=cfg,
+        config_digest=cfg.digest(),
+        target_modules=("q_proj",),
+        optimizer=optimizer,
+        scheduler=LambdaLR(optimizer, lambda _: 1.0),
+        progress=Progress(step=0, total_tokens=0, total_samples=0, tenant="acme"),
+        tenant="acme",
+    )
     publisher = FakePublisher(log)
     out = tmp_path / "out"
     committer = Committer(
         SimpleNamespace(js="the js"),  # type: ignore[arg-type]
-        parts.lora,
+        slots,  # type: ignore[arg-type]
         FakeMirror(log, {1}),  # type: ignore[arg-type]
         publisher,  # type: ignore[arg-type]
         out,
         base_model_path="/models/tiny",
     )
     _spans.clear()
-    return Bench(parts, committer, publisher, log, metrics, out)
+    return Bench(slots, run, committer, publisher, log, metrics, out)
 
 
 def _progress(step: int) -> tuple[Any, ...]:
@@ -256,7 +286,7 @@ async def test_a_step_is_checkpointed_logged_announced_recorded_then_acked(bench
         "kind": "lora",
         "tenant": "acme",
     }
-    assert same_tensors(tensors, bench.parts.adapter(1))
+    assert same_tensors(tensors, bench.slots.slot_state_dict(1))
     assert lora == bench.state().lora_spec
 
 
@@ -359,7 +389,7 @@ async def test_keeping_history_purges_nothing(bench: Bench, monkeypatch) -> None
     monkeypatch.setenv("PLEXRL_ROLLOUTS_KEEP_HISTORY", "1")
     keeper = Committer(
         bench.committer.bus,
-        bench.parts.lora,
+        bench.slots,  # type: ignore[arg-type]
         bench.committer.mirror,
         bench.publisher,  # type: ignore[arg-type]
         bench.out,
