@@ -291,6 +291,18 @@ def test_edges_of_what_fits_and_the_tensor_types() -> None:
         mb.slot_ids_B.dtype,
     ]
     assert dtypes == [torch.long] * 3 + [torch.bool, torch.float32, torch.float32, torch.long]
+    # the id reported is the first outside the vocabulary, after a valid 0
+    bad = Sample(
+        prompt_ids=[0, VOCAB],
+        completion_ids=[1],
+        completion_logprobs=[-1.0],
+        reward=0,
+        advantage=0,
+    )
+    step = pack_step([(3, _batch("run_a", [bad]))], token_budget=8, pad_id=PAD, vocab_size=VOCAB)
+    assert step.rejected == {
+        "run_a": f"step 0 sample 0: prompt_ids[1] = {VOCAB} is outside the vocabulary [0, {VOCAB})"
+    }
     # a budget of one token is a budget: every sample is refused, nothing is raised
     step = pack_step([(3, _batch("run_a", [edge]))], token_budget=1, pad_id=PAD, vocab_size=VOCAB)
     assert step.micro_batches == [] and list(step.rejected) == ["run_a"]
