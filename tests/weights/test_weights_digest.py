@@ -128,7 +128,19 @@ def test_digests_name_their_algorithm_and_verify_compares_them():
     for bad in ("blake3:" + "A" * 64, "sha256:abc", "crc32:00000000", ""):
         with pytest.raises(WeightsError, match="cannot check"):
             algorithm("w", bad)
+    long = "nocolon" + "x" * 100  # named by its first 16 characters, shown up to 80
+    for bad, name in ((long, long[:16]), ("md5:ab:cd", "md5")):
+        with pytest.raises(WeightsError) as err:
+            algorithm("w", bad)
+        assert str(err.value) == (
+            f"w: digest {bad[:80]!r} names algorithm {name!r}, which this build cannot check "
+            "(known: blake3, sha256, as '<algorithm>:<64 hex digits>'); upgrade this service or "
+            "the publisher"
+        )
     verify("w", digest_of([data]), digest_of([data]), len(data))
+    with pytest.raises(WeightsError) as err:
+        verify("w", digest_of([data]), digest_of([data[1:]]), len(data) - 1)
+    assert err.value.touched is False
     with pytest.raises(WeightsError, match=r"^w: digest mismatch") as err:
         verify("w", digest_of([data]), digest_of([data[1:]]), len(data) - 1, touched=True)
     assert err.value.touched is True
