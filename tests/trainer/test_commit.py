@@ -173,6 +173,8 @@ def bench(tmp_path, monkeypatch) -> Bench:
         log.append(("recover", run_id, committed))
         return recover_step_log(out, run_id, committed)
 
+    # the files are written for real, not flushed to the disk: durability is checkpoint.py's
+    monkeypatch.setattr(os, "fsync", lambda fd: None)
     monkeypatch.setattr(commit, "crash_point", lambda point, run_id, at: log.append((point, at)))
     monkeypatch.setattr(commit, "write_progress", progress)
     monkeypatch.setattr(commit, "purge_consumed", purge)
