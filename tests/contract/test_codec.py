@@ -63,6 +63,7 @@ def test_an_id_is_salvaged_from_a_payload_that_did_not_validate() -> None:
     assert salvage_id(msgspec.msgpack.encode({"request_id": "req-2"})) == "req-2"
     assert salvage_id(b'{"run_id": "run_a"}', "run_id") == "run_a"
     assert salvage_id(b'{"run_id": "run_a"}') == ""  # another field
+    assert salvage_id(b'{"request_id": "r"}') == "r"  # one character is an id
     long = "x" * 256
     assert salvage_id(msgspec.json.encode({"request_id": long})) == long
     for unusable in (
