@@ -29,6 +29,7 @@ def test_content_types() -> None:
         "application/x-msgpack",
         "application/vnd.msgpack",
         " Application/MsgPack ; charset=binary",
+        "application/vnd.msgpack;charset=binary",
     ):
         assert is_msgpack(header), header
     for header in (None, "", "application/json", "text/msgpack", "application/msgpack2"):
