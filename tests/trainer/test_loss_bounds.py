@@ -84,7 +84,7 @@ def test_gspo_at_its_bounds_and_over_padded_and_one_token_rows():
             [-0.5, -0.5, -0.5],  # A = 0, s < 1
             [0.5, 0.5, 0.5],  # A = 0.5, s > 1: clipped, loss at the bound
             [-0.5, -0.5, -0.5],  # A = 0.5, s < 1
-            [0.5, 7.0, 9.0],  # A = 1, one loss token: s = e^0.5, the padding ignored
+            [0.5, -7.0, -9.0],  # A = 1, one loss token: s = e^0.5, the padding ignored
         ],
         dtype=torch.float64,
     )
