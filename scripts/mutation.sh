@@ -65,6 +65,9 @@ for row in "${GROUPS_TABLE[@]}"; do
     echo "pytest_add_cli_args_test_selection = $(toml_list $tests)"
     echo 'pytest_add_cli_args = ["-p", "no:cacheprovider", "-o", "addopts=", "-q"]'
     echo 'process_isolation = "forkserver"'
+    # prose is not mutated: --help texts and log lines (messages the user acts on, errors
+    # included, are)
+    echo 'do_not_mutate_patterns = ["^\\s*(help|description)=", "^\\s*log\\.\\w+\\("]'
     # a loaded machine must not pass a slow test off as a mutant that hangs (a kill)
     echo 'timeout_constant = 10.0'
   } >"$work/pyproject.toml"
