@@ -20,7 +20,13 @@ import torch
 from opentelemetry import context as otel_context
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import StatusCode
+from opentelemetry.trace import (
+    NonRecordingSpan,
+    SpanContext,
+    StatusCode,
+    TraceFlags,
+    set_span_in_context,
+)
 from torch.optim.lr_scheduler import LambdaLR
 from trainer_support import config, make_batch, same_tensors
 
@@ -49,10 +55,12 @@ SUBJECT = "plexrl.rollouts.acme.run_a"
 T0 = 1_700_000_000_000_000_000
 """The step's start, in ns since the epoch"""
 PHASES = {
-    "pack": (T0, T0 + 1_000),
-    "forward_backward": (T0 + 1_000, T0 + 4_000),
-    "optimizer": (T0 + 4_000, T0 + 6_500),
+    "pack": (T0, T0 + 1_000_000),
+    "forward_backward": (T0 + 1_000_000, T0 + 4_000_000),
+    "optimizer": (T0 + 4_000_000, T0 + 6_500_000),
 }
+REMOTE = SpanContext(0x5EED, 0xBA7C4, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+"""The span of whoever published a batch, as its message's headers carry it"""
 
 
 @dataclass
@@ -153,6 +161,7 @@ def bench(tmp_path, monkeypatch) -> Bench:
     metrics: list[dict[str, Any]] = []
 
     async def progress(bus: Any, run_id: str, p: Any) -> None:
+        assert bus.js == "the js"  # the committer's own bus
         log.append(("progress", run_id, p.step, p.total_tokens, p.total_samples, p.tenant))
 
     async def purge(js: Any, stream: str, subject: str, seq: int) -> None:
@@ -175,7 +184,12 @@ def bench(tmp_path, monkeypatch) -> Bench:
 
     # the files are written for real, not flushed to the disk: durability is checkpoint.py's
     monkeypatch.setattr(os, "fsync", lambda fd: None)
-    monkeypatch.setattr(commit, "crash_point", lambda point, run_id, at: log.append((point, at)))
+
+    def crash(point: str, run_id: str, at: int) -> None:
+        assert run_id == RUN, f"{point} named run {run_id!r}"
+        log.append((point, at))
+
+    monkeypatch.setattr(commit, "crash_point", crash)
     monkeypatch.setattr(commit, "write_progress", progress)
     monkeypatch.setattr(commit, "purge_consumed", purge)
     monkeypatch.setattr(commit, "save_checkpoint", checkpoint)
@@ -302,7 +316,10 @@ async def test_the_step_log_times_its_lines(bench: Bench) -> None:
 
 async def test_a_step_is_traced_and_measured(bench: Bench) -> None:
     stored = datetime.fromtimestamp(T0 / 1e9 - 2.5, tz=UTC)  # 2.5 s before the step's start
-    await bench.step(0, seq=11, stored=stored)
+    # the batch's message carries its publisher's span: the step continues that trace
+    await bench.step(
+        0, seq=11, stored=stored, context=set_span_in_context(NonRecordingSpan(REMOTE))
+    )
     await bench.step(1, seq=12)  # no JetStream metadata: no queue wait
     spans = _spans.get_finished_spans()
     steps = [s for s in spans if s.name == "trainer step"]
@@ -320,6 +337,9 @@ async def test_a_step_is_traced_and_measured(bench: Bench) -> None:
         for step in (0, 1)
     ]
     assert steps[0].start_time == T0
+    assert steps[0].parent == REMOTE and steps[0].context.trace_id == REMOTE.trace_id
+    assert steps[1].parent is None  # a message without a trace starts one
+    assert {s.instrumentation_scope.name for s in spans} == {"plexrl.trainer"}
     children = [(s.name, s.start_time, s.end_time, s.parent) for s in spans if s.name in PHASES]
     assert [c[:3] for c in children[:3]] == [(n, a, b) for n, (a, b) in PHASES.items()]
     assert all(c[3] is not None and c[3].span_id == steps[0].context.span_id for c in children[:3])
@@ -327,13 +347,14 @@ async def test_a_step_is_traced_and_measured(bench: Bench) -> None:
     assert dict(checkpoint.attributes or {}) == {"step": 2}
     assert [m.pop("queue_wait") for m in bench.metrics] == [pytest.approx(2.5, abs=1e-5), None]
     assert bench.metrics == [
-        {"run": RUN, "tenant": "acme", "seconds": 6_500 / 1e9, "tokens": 30 + step, "samples": 2}
+        {"run": RUN, "tenant": "acme", "seconds": 6.5e-3, "tokens": 30 + step, "samples": 2}
         for step in (0, 1)
     ]
 
 
 async def test_a_refused_step_is_acked_and_its_run_evicted(bench: Bench) -> None:
-    state, held = bench.state(), bench.held(0, seq=21)
+    traced = set_span_in_context(NonRecordingSpan(REMOTE))
+    state, held = bench.state(), bench.held(0, seq=21, context=traced)
     await bench.committer.refuse(state, _result(0, trained=False), held)
     assert bench.log == [("ack", 21), ("evict", 1, "step 0 refused")]
     bench.log.clear()
@@ -341,6 +362,7 @@ async def test_a_refused_step_is_acked_and_its_run_evicted(bench: Bench) -> None
     assert bench.log == [("ack", 21), ("evict", 1, "grad is nan")]
     [span, _] = [s for s in _spans.get_finished_spans() if s.name == "trainer step"]
     assert dict(span.attributes or {}) == {"run_id": RUN, "idx": 1, "step": 0}
+    assert span.parent == REMOTE  # in the trace of the batch it refuses
     assert (span.status.status_code, span.status.description) == (
         StatusCode.ERROR,
         "step 0 refused",
@@ -365,9 +387,16 @@ async def test_a_redelivery_replaces_its_delivery_and_an_untracked_one_is_acked(
     await bench.committer.attach(bench.held(4, seq=30))  # a step not tracked: acked at once
     assert bench.log == [("ack", 30)]
     bench.log.clear()
+    stranger = Held(make_batch("run_b", 0, num_samples=2), bench.delivery(31), tenant="acme")
+    await bench.committer.attach(stranger)  # a run with nothing tracked: acked at once too
+    assert bench.log == [("ack", 31)]
+    bench.log.clear()
     await bench.committer.forget(RUN)  # the run is deleted: what waited is acked, none kept
     assert bench.log == [("ack", 11), ("ack", 15), ("purge", ROLLOUTS_STREAM, SUBJECT, 15)]
     assert list(bench.committer.deliveries()) == []
+    bench.log.clear()
+    await bench.committer.forget("run_b")  # nothing waits for a run that trained nothing here
+    assert bench.log == []
 
 
 async def test_a_clean_stop_checkpoints_only_what_is_not_committed(bench: Bench) -> None:
@@ -412,6 +441,10 @@ async def test_a_resume_repairs_the_log_rewrites_progress_and_announces_its_vers
     assert bench.log == [_progress(0)]
     bench.log.clear()
     state.advance(30, 2, 0.25)
+    state.committed_step, state.resumed_from = 1, 1
+    await bench.committer.resume(state)  # version 1 is announced again, as any other
+    assert bench.log == [("recover", RUN, 1), _progress(1), ("publish", RUN, 1)]
+    bench.log.clear()
     state.advance(31, 2, 0.25)
     state.committed_step, state.resumed_from = 2, 2
     await bench.committer.resume(state)
