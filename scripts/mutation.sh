@@ -24,7 +24,7 @@ GROUPS_TABLE=(
   "loss|services/trainer/loss.py services/trainer/policy_losses.py|tests/trainer/test_loss.py tests/trainer/test_loss_kl.py tests/trainer/test_policy_losses.py tests/trainer/test_loss_bounds.py"
   "packer|services/trainer/packer.py|tests/trainer/test_packer.py"
   "commit|services/trainer/commit.py|tests/trainer/test_commit.py"
-  "lora|services/model/lora.py|tests/model/test_model_lora.py"
+  "lora|services/model/lora.py|tests/model/test_model_lora_parts.py tests/model/test_model_lora.py tests/model/test_model_peft_io.py"
   "digest|services/weights/digest.py|tests/weights/test_weights_digest.py"
   "tenants|services/tenants/accounts.py services/tenants/credentials.py services/tenants/nats_config.py services/tenants/views.py services/tenants/migrate.py services/tenants/cli.py|tests/bus/test_auth_cli.py tests/security/test_accounts_config.py tests/security/test_upgrade.py tests/bus/test_follower_tenant.py"
   "advantages|services/orchestrator/advantages.py|tests/orchestrator/test_advantages.py"
