@@ -31,6 +31,18 @@ class Toy(nn.Module):
         self.head = nn.Linear(8, 2, dtype=torch.float64)
 
 
+class GptToy(nn.Module):
+    """GPT-2's layer names, one of them a Conv1D, and its model_type."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(model_type="gpt2")
+        self.c_attn = Conv1D(12, 4)
+        self.c_proj = nn.Linear(4, 4)
+        self.c_fc = nn.Linear(4, 8)
+        self.q_proj = nn.Linear(4, 4)  # a name of the default targets, not of gpt2's
+
+
 def _x(*shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
 
@@ -154,6 +166,9 @@ def test_attach_takes_the_familys_targets_and_starts_every_slot_fresh():
     lora = MultiLoRA.attach(toy, n_adapters=2, max_rank=3)
     assert lora.target_modules == DEFAULT_TARGET_MODULES  # no config: the default targets
     assert list(lora.layers) == ["q_proj", "v_proj"] and toy.q_proj is lora.layers["q_proj"]
+    assert lora.model is toy
+    with pytest.raises(ValueError, match=r"^the model already carries multi-LoRA layers$"):
+        MultiLoRA.attach(toy, n_adapters=2, max_rank=3)
     assert isinstance(toy.head, nn.Linear) and not toy.head.weight.requires_grad
     assert (lora.n_adapters, lora.max_rank) == (2, 3)
     for idx in range(2):
@@ -170,6 +185,9 @@ def test_attach_takes_the_familys_targets_and_starts_every_slot_fresh():
     unnamed = Toy()
     unnamed.config = SimpleNamespace(model_type="")  # type: ignore[assignment]
     assert MultiLoRA.attach(unnamed, 1, 1).target_modules == DEFAULT_TARGET_MODULES
+    gpt2 = MultiLoRA.attach(GptToy(), n_adapters=1, max_rank=2)  # the family's own targets
+    assert gpt2.target_modules == default_target_modules("gpt2") == ("c_attn", "c_proj", "c_fc")
+    assert list(gpt2.layers) == ["c_attn", "c_proj", "c_fc"] and gpt2.fan_in_fan_out
     only = MultiLoRA.attach(Toy(), 1, 2, target_modules=["v_proj"])
     assert list(only.layers) == ["v_proj"] and only.target_modules == ("v_proj",)
 
@@ -182,6 +200,7 @@ def test_adapter_config_says_rank_alpha_targets_and_the_weight_layout():
     assert config["target_modules"] == ["q_proj", "v_proj"]
     assert config["base_model_name_or_path"] == "/models/toy"
     assert lora.adapter_config(0)["r"] == 4 and lora.adapter_config(0)["lora_alpha"] == 4.0
+    assert lora.adapter_config(0)["base_model_name_or_path"] is None  # no path given
     # a Conv1D among the targets stores its weight [in, out]: PEFT must be told
     mixed = MultiLoRA.attach(Toy(conv1d=True), n_adapters=1, max_rank=2)
     assert mixed.fan_in_fan_out and mixed.adapter_config(0)["fan_in_fan_out"] is True
@@ -221,6 +240,9 @@ def test_a_slot_exports_detached_trimmed_copies_and_loads_back_only_when_it_fits
     a.add_(1.0)  # a copy: the slot does not change
     assert not torch.equal(a, q.lora_A[0][:2])
     a.sub_(1.0)
+    full = lora.slot_state_dict(1)[peft_key("q_proj", "lora_B")]  # rank 3 of 3: B not sliced
+    full.add_(1.0)  # a copy too
+    assert torch.count_nonzero(q.lora_B[1]) == 0
     names = [n for n, _ in lora.slot_named_parameters(1)]
     assert names == ["q_proj.lora_A.1", "q_proj.lora_B.1", "v_proj.lora_A.1", "v_proj.lora_B.1"]
     assert lora.slot_parameters(1)[1] is q.lora_B[1]
@@ -264,6 +286,9 @@ def test_a_slot_exports_detached_trimmed_copies_and_loads_back_only_when_it_fits
         torch.equal(p, q)
         for p, q in zip(lora.slot_parameters(0), lora.slot_parameters(1), strict=True)
     )
+    lora.reset_slot(0, 1, 2.0, seed=1)
+    lora.load_slot_state_dict(1, lora.slot_state_dict(0), rank=1, alpha=2.0)  # the least rank
+    assert (lora.slot_rank(1), lora.context.alpha(1)) == (1, 2.0)
 
 
 def test_the_gather_paths_copies_follow_every_reset_and_load():
@@ -290,3 +315,12 @@ def test_the_gather_paths_copies_follow_every_reset_and_load():
         gathered = toy.q_proj(x)
     torch.testing.assert_close(gathered, routed)
     torch.testing.assert_close(gathered[2], toy.q_proj.base_layer(x[2]))  # slot -1: the base
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_a_slot_is_exported_to_the_cpu():
+    lora = MultiLoRA.attach(Toy().cuda(), n_adapters=1, max_rank=2)
+    state = lora.slot_state_dict(0)
+    assert {t.device.type for t in state.values()} == {"cpu"}
+    assert torch.equal(state[peft_key("q_proj", "lora_A")], lora.layers["q_proj"].lora_A[0].cpu())
