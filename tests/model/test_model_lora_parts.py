@@ -139,6 +139,9 @@ def test_which_kernel_multiplies_the_segments():
     assert not _grouped_mm_fits(bf16, (8, 16, 4), "auto")
     assert not _grouped_mm_fits(f64, (2, 2, 2), "auto")  # aligned, but no CPU grouped_mm
     assert not _grouped_mm_fits(torch.zeros(1, device="meta"), (4, 4, 4), "auto")
+    # bfloat16 off the CPU asks for a Hopper-class GPU only on CUDA
+    meta_bf16 = torch.zeros(1, device="meta", dtype=torch.bfloat16)
+    assert not _grouped_mm_fits(meta_bf16, (8, 16, 8), "auto")
 
 
 @pytest.mark.parametrize("kernel", ["bmm", "grouped_mm"])
