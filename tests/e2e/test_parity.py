@@ -1,11 +1,14 @@
 """Inference and trainer agree on the policy, through the real services.
 
 ``plexrl up`` trains one run sampled at temperature 0.7, keeping its trained batches
-(``PLEXRL_ROLLOUTS_KEEP_HISTORY``). Afterwards the rollouts stream holds every RolloutBatch with the log-probabilities inference reported for each completion token;
-for the batches sampled from policy version 0 (the base model: a fresh adapter has B = 0), the
-trainer's forward of the same tokens at the same temperature gives the same numbers to 1e-4.
-And every step the trainer trained at lag 0 has an importance ratio of 1 (within 1e-3): the
-trainer scores tokens under the distribution they were drawn from.
+(``PLEXRL_ROLLOUTS_KEEP_HISTORY``) and a checkpoint of every step. Afterwards the rollouts
+stream holds every RolloutBatch with the log-probabilities inference reported for each
+completion token. For the batches sampled from policy version 0 (the base model: a fresh
+adapter has B = 0) and for those sampled from trained versions (the adapter checkpointed at that
+step), the trainer's forward of the same tokens at the same temperature gives the same numbers
+to 1e-4: inference serves the adapter the trainer trained, not the base model. And every step
+the trainer trained at lag 0 has an importance ratio of 1 (within 1e-3): the trainer scores
+tokens under the distribution they were drawn from.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from schemas.events import RolloutBatch
 from schemas.subjects import ROLLOUTS_STREAM
 from services.bus import Bus, EmbeddedNats
 from services.model.loader import load_model
+from services.model.lora import MultiLoRA
 from services.model.tiny import build_tiny_model
+from services.trainer.checkpoint import complete_checkpoints, load_checkpoint
 from services.trainer.loss import selected_logprobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -53,7 +58,12 @@ def test_inference_logprobs_equal_the_trainers_forward(tmp_path: Path) -> None:
             {
                 "steps": 6,
                 "envs": ["reverse"],
-                "run": {"sampling": {"temperature": TEMPERATURE}, "max_async_level": 1},
+                "run": {
+                    "sampling": {"temperature": TEMPERATURE},
+                    "max_async_level": 1,
+                    # the adapter of every version, to score its batches with
+                    "ckpt": {"interval": 1, "keep": 10},
+                },
             }
         )
     )
@@ -75,8 +85,25 @@ def test_inference_logprobs_equal_the_trainers_forward(tmp_path: Path) -> None:
     base = [b for b in batches if b.policy_version == 0]
     assert base and all(s.completion_ids for b in base for s in b.samples)
     model, _ = load_model(model_dir)
+    assert _compare(model, base) > 50
+
+    # trained versions: each batch scored with the adapter of the version it was sampled from
+    saved = dict(complete_checkpoints(up.out, up.run_dir.name))
+    trained = sorted({b.policy_version for b in batches} - {0})
+    assert len(trained) >= 2 and set(trained) <= set(saved), (trained, sorted(saved))
+    adapters = {version: load_checkpoint(saved[version]) for version in trained}
+    lora = MultiLoRA.attach(model, n_adapters=1, max_rank=max(c.rank for c in adapters.values()))
+    for version, ckpt in adapters.items():
+        lora.load_slot_state_dict(0, ckpt.adapter, ckpt.rank, ckpt.alpha)
+        with lora.use([0]):
+            assert _compare(model, [b for b in batches if b.policy_version == version]) > 10
+
+
+def _compare(model, batches: list[RolloutBatch]) -> int:
+    """Assert that the model gives each completion token the log-probability inference
+    reported; the number of tokens compared."""
     compared = 0
-    for batch in base:
+    for batch in batches:
         for sample in batch.samples:
             ids = [*sample.prompt_ids, *sample.completion_ids]
             with torch.no_grad():
@@ -85,4 +112,4 @@ def test_inference_logprobs_equal_the_trainers_forward(tmp_path: Path) -> None:
             trainer = lp[0, len(sample.prompt_ids) - 1 :].tolist()
             assert trainer == pytest.approx(sample.completion_logprobs, abs=1e-4)
             compared += len(trainer)
-    assert compared > 50
+    return compared

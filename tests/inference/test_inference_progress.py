@@ -74,7 +74,7 @@ async def _until(check: Any, timeout: float) -> None:
 
 
 async def test_a_request_waiting_for_its_version_hears_progress_until_the_reply(
-    bus: Bus, uid: str, start_replica
+    bus: Bus, uid: str, start_replica, scratch_lora, tmp_path: Path
 ) -> None:
     name = f"beat-{uid}"
     service = await start_replica(name)
@@ -86,31 +86,41 @@ async def test_a_request_waiting_for_its_version_hears_progress_until_the_reply(
     waiting = _request(
         run_id,
         f"wait-{uid}",
-        min_policy_version=1,  # never published: the request waits out its timeout_s
-        timeout_s=1.0,
+        min_policy_version=1,  # not published yet: the request waits for it
+        timeout_s=600.0,
         progress_subject=inbox,
         progress_every_s=0.1,
     )
-    resp = await bus.request(sj.GENERATE, waiting, GenerateResponse, timeout=20)
-    assert resp.error is not None and "asks for min_policy_version 1" in resp.error
-    msgs = await _drain(sub)  # half a second of quiet: five beats, had they not stopped
+    asked = asyncio.create_task(bus.request(sj.GENERATE, waiting, GenerateResponse, timeout=600))
+    # it hears from the replica at once and again while it waits, before any reply
+    msgs = [await sub.next_msg(timeout=60) for _ in range(3)]
+    assert not asked.done()
+    _, lora = scratch_lora
+    adapter = random_adapter(lora, 0, 4, 8.0, seed=7)
+    await WeightPublisher(bus, tmp_path).publish(run_id, 0, 1, adapter, lora_spec())
+    resp = await asyncio.wait_for(asked, 60)  # bounds a hang only
+    assert resp.error is None and resp.policy_version == 1
+    # the beats stop with the reply: the drain ends (a beat that went on would fill it)
+    msgs += await _drain(sub)
     beats = [decode(m.data, GenerateProgress) for m in msgs]
-    # at once, then every 0.1 s for the 1 s wait (a loaded machine may miss some)
-    assert 4 <= len(beats) <= 12, beats
+    assert 3 <= len(beats) < 200
     assert [b.seq for b in beats] == list(range(len(beats)))
-    assert {(b.request_id, b.run_id, b.replica, b.state) for b in beats} == {
-        (waiting.request_id, run_id, name, "waiting_for_version")
+    assert {(b.request_id, b.run_id, b.replica) for b in beats} == {
+        (waiting.request_id, run_id, name)
     }
+    states = [b.state for b in beats]
+    assert states[:3] == ["waiting_for_version"] * 3
+    assert set(states[3:]) <= {"waiting_for_version", "generating"}
     assert {(m.headers or {}).get(REPLICA_HEADER) for m in msgs} == {name}
 
     # a request the replica can serve says it is generating, and is answered as ever
     served = _request(run_id, f"serve-{uid}", progress_subject=inbox, progress_every_s=0.1)
     resp = await bus.request(sj.GENERATE, served, GenerateResponse, timeout=20)
-    assert resp.error is None and len(resp.completions[0]) == 1 and resp.policy_version == 0
+    assert resp.error is None and len(resp.completions[0]) == 1 and resp.policy_version == 1
     beats = [decode(m.data, GenerateProgress) for m in await _drain(sub)]
     assert beats and {b.request_id for b in beats} == {served.request_id}
     assert beats[-1].state == "generating"
-    assert service.served[run_id] == 1
+    assert service.served[run_id] == 2
     await sub.unsubscribe()
 
 

@@ -32,6 +32,24 @@ def test_std_normalized_uses_population_std() -> None:
     std = (14 / 3) ** 0.5
     assert torch.allclose(got, torch.tensor([-2.0, -1.0, 3.0]) / (std + 0.1))
     assert got.dtype == torch.float32
+    # the default eps is 1e-6
+    assert torch.equal(
+        one_group([0.0, 2.0], std_normalize=True),
+        torch.tensor([-1.0, 1.0], dtype=torch.float64) / (1.0 + 1e-6),
+    )
+
+
+def test_each_group_is_normalised_by_its_own_std() -> None:
+    # rewards 0, 2 (std 1) and 0, 8 (std 4): both groups come out at about -1, 1
+    got = batch_advantages([[0.0, 2.0], [0.0, 8.0]], std_normalize=True, eps=1e-6)
+    expected = [[-1 / (1 + 1e-6), 1 / (1 + 1e-6)], [-4 / (4 + 1e-6), 4 / (4 + 1e-6)]]
+    assert torch.allclose(got, torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-12)
+
+
+def test_integer_rewards_are_taken_as_doubles() -> None:
+    got = batch_advantages(torch.tensor([[1, 0, 0, 1]]))
+    assert got.dtype == torch.float64
+    assert torch.equal(got, torch.tensor([[0.5, -0.5, -0.5, 0.5]], dtype=torch.float64))
 
 
 @pytest.mark.parametrize("std_normalize", [False, True])
@@ -57,7 +75,9 @@ def test_batched_rows_are_independent_groups() -> None:
 
 
 def test_invalid_rewards() -> None:
-    with pytest.raises(ValueError, match="finite"):
+    with pytest.raises(
+        ValueError, match=r"^rewards must be finite; an environment returned NaN or inf$"
+    ):
         one_group([1.0, float("nan")])
     with pytest.raises(ValueError, match=r"shape \[P, G\]"):
         batch_advantages([1.0, 2.0])  # type: ignore[list-item]

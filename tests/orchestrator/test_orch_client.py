@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import pytest
 
@@ -19,7 +18,7 @@ from services.orchestrator.client import (
 )
 
 from .conftest import RUN
-from .replica import ScriptedReplica
+from .replica import ScriptedReplica, eventually
 
 VOCAB = character_vocab()
 
@@ -119,14 +118,14 @@ async def test_timeouts_are_retried_and_max_attempts_gives_up(
 
 async def test_stop_ends_the_retries(obus: Bus, replica: ScriptedReplica) -> None:
     stop = asyncio.Event()
-    client = GenerateClient(obus, timeout=2.0, stop=stop, initial_backoff=5.0)
+    # a backoff no test waits out: the request can only end by the stop cutting it short
+    client = GenerateClient(obus, timeout=2.0, stop=stop, initial_backoff=3600.0)
     task = asyncio.create_task(client.generate(_request(min_version=9)))
-    await asyncio.sleep(0.2)  # refused once, now backing off for 5 s
-    started = time.monotonic()
+    await eventually(lambda: _true(client.retries == 1))  # refused once, now backing off
     stop.set()
     with pytest.raises(GenerationStopped):
-        await asyncio.wait_for(task, 2.0)
-    assert time.monotonic() - started < 1.0
+        await asyncio.wait_for(task, 60.0)  # bounds a hang only
+    assert (client.retries, replica.refusals, len(replica.requests)) == (1, 1, 1)
 
 
 async def test_one_warning_per_reason_not_one_per_request(
@@ -207,3 +206,7 @@ async def test_progress_inboxes_are_unsubscribed_after_each_request(
     assert client.silent_replicas == 1
     assert len(obus.nc._subs) == before
     assert len({r.progress_subject for r in replica.requests}) == len(replica.requests) == 28
+
+
+async def _true(value: bool) -> bool:
+    return value

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -29,8 +28,12 @@ def _plexrl(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     )
 
 
+HEAVY = ("torch", "numpy", "transformers", "peft", "safetensors", "tokenizers", "triton")
+"""What makes a start slow; ``--help`` imports none of them (what it costs is not timed here: a
+loaded machine would make any limit flaky)."""
+
+
 def test_help_is_instant_and_imports_no_torch():
-    started = time.monotonic()
     code = (
         "import sys\n"
         "from services.cli import main\n"
@@ -38,13 +41,13 @@ def test_help_is_instant_and_imports_no_torch():
         "    main(['trainer', '--help'])\n"
         "except SystemExit as exc:\n"
         "    assert exc.code == 0\n"
-        "assert 'torch' not in sys.modules, 'torch imported by --help'\n"
+        f"loaded = sorted(m for m in {HEAVY!r} if m in sys.modules)\n"
+        "assert not loaded, f'--help imported {loaded}'\n"
     )
     done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120
     )
     assert done.returncode == 0, done.stderr
-    assert time.monotonic() - started < 5.0
     for flag in ("--model", "--output-dir", "--max-runs", "--weight-transport", "--threads"):
         assert flag in done.stdout
 

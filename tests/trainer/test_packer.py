@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -232,7 +233,9 @@ def test_bad_sample_rejects_its_run_and_the_others_still_pack(bad: Sample, reaso
     ]
     step = pack_step(batches, token_budget=32, pad_id=PAD, vocab_size=VOCAB)
     assert set(step.rejected) == {"run_bad"}
-    assert step.rejected["run_bad"].startswith(reason)
+    # the reason and its explanation, and with one bad sample no count of them
+    got = step.rejected["run_bad"]
+    assert re.fullmatch(re.escape(reason) + r"( \([^()]*\))?", got) and "invalid)" not in got
     assert step.tokens_per_run == {0: 5, 2: 4}
     assert step.run_ids == {0: "run_good", 2: "run_also_good"}
     packed = {run for mb in step.micro_batches for run in mb.sample_run}
@@ -263,6 +266,46 @@ def test_a_packing_takes_at_most_one_step_per_run() -> None:
     other = _batch("run_b", [_sample(1, 1)])
     with pytest.raises(ValueError, match="slot 0 is given to both run_a and run_b"):
         pack_step([(0, one), (0, other)], token_budget=8, pad_id=PAD, vocab_size=VOCAB)
+
+
+def test_edges_of_what_fits_and_the_tensor_types() -> None:
+    # token 0 and the last id are in the vocabulary; a sample of exactly the budget fits
+    edge = Sample(
+        prompt_ids=[0, VOCAB - 1],
+        completion_ids=[0],
+        completion_logprobs=[-1.0],
+        reward=0,
+        advantage=0.5,
+    )
+    step = pack_step([(3, _batch("run_a", [edge]))], token_budget=3, pad_id=PAD, vocab_size=VOCAB)
+    assert step.rejected == {}
+    (mb,) = step.micro_batches
+    assert torch.equal(mb.input_ids_BT, torch.tensor([[0, VOCAB - 1, 0]]))
+    dtypes = [
+        mb.input_ids_BT.dtype,
+        mb.target_ids_BT.dtype,
+        mb.attention_mask_BT.dtype,
+        mb.loss_mask_BT.dtype,
+        mb.old_logprobs_BT.dtype,
+        mb.advantages_B.dtype,
+        mb.slot_ids_B.dtype,
+    ]
+    assert dtypes == [torch.long] * 3 + [torch.bool, torch.float32, torch.float32, torch.long]
+    # the id reported is the first outside the vocabulary, after a valid 0
+    bad = Sample(
+        prompt_ids=[0, VOCAB],
+        completion_ids=[1],
+        completion_logprobs=[-1.0],
+        reward=0,
+        advantage=0,
+    )
+    step = pack_step([(3, _batch("run_a", [bad]))], token_budget=8, pad_id=PAD, vocab_size=VOCAB)
+    assert step.rejected == {
+        "run_a": f"step 0 sample 0: prompt_ids[1] = {VOCAB} is outside the vocabulary [0, {VOCAB})"
+    }
+    # a budget of one token is a budget: every sample is refused, nothing is raised
+    step = pack_step([(3, _batch("run_a", [edge]))], token_budget=1, pad_id=PAD, vocab_size=VOCAB)
+    assert step.micro_batches == [] and list(step.rejected) == ["run_a"]
 
 
 def test_argument_errors() -> None:

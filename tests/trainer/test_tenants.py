@@ -8,9 +8,10 @@ import asyncio
 import pytest
 import torch
 from service_support import eventually, progress_of, stream_events
-from trainer_support import make_batch, run_config
+from trainer_support import make_batch, run_config, same_tensors
 
 from schemas import subjects as sj
+from schemas.codec import decode
 from schemas.config import orch_config_from_dict
 from schemas.events import EvictRequested, InvalidMessage, WeightsReady
 from schemas.records import RunRecord
@@ -71,6 +72,7 @@ async def test_a_batch_from_another_tenant_is_refused_and_its_run_keeps_its_step
     await _announce(bus, "run_b", 1, "beta")
     await eventually(lambda: _async(len(trainer.states) == 2))
     assert (_state(trainer, "run_a").tenant, _state(trainer, "run_b").tenant) == ("acme", "beta")
+    victim = _adapter(trainer, 1)
 
     forged = make_batch("run_b", 0, seed=9)
     await bus.publish("plexrl.rollouts.acme.run_b", forged, msg_id="forged")
@@ -78,6 +80,8 @@ async def test_a_batch_from_another_tenant_is_refused_and_its_run_keeps_its_step
     await eventually(lambda: _async(_state(trainer, "run_a").progress.step == 1))
     assert trainer.intake is not None and trainer.intake.num_wrong_tenant == 1
     assert _state(trainer, "run_b").progress.step == 0 and "run_b" not in trainer.refused
+    # the forged batch moved none of run_b's adapter
+    assert same_tensors(_adapter(trainer, 1), victim)
     assert await stream_events(bus, sj.RUNS_STREAM, sj.EVICT, EvictRequested) == []
     [report] = await eventually(
         lambda: stream_events(bus, "PLEXRL_ERRORS", "plexrl.errors.trainer", InvalidMessage)
@@ -90,6 +94,8 @@ async def test_a_batch_from_another_tenant_is_refused_and_its_run_keeps_its_step
         lambda: stream_events(bus, sj.WEIGHTS_STREAM, "plexrl.weights.acme.run_a", WeightsReady)
     )
     assert event.step == 1 and event.location in await list_keys(bus, bucket="plexrl-weights-acme")
+    # and announced no weights of run_b, under any subject
+    assert [(e.run_id, e.step) for e in await _all_weights(bus)] == [("run_a", 1)]
     loaded = await load_weights(bus, event, tenant="acme")
     assert set(loaded) == set(trainer.lora.slot_state_dict(0))
     progress = await eventually(lambda: _progress_at(bus, "run_a", 1))
@@ -99,6 +105,18 @@ async def test_a_batch_from_another_tenant_is_refused_and_its_run_keeps_its_step
     await bus.publish("plexrl.rollouts.beta.run_b", make_batch("run_b", 0), msg_id="b0")
     progress = await eventually(lambda: _progress_at(bus, "run_b", 1))
     assert progress.tenant == "beta" and _state(trainer, "run_b").progress.step == 1
+
+
+def _adapter(trainer: Trainer, idx: int) -> dict[str, torch.Tensor]:
+    return {k: t.clone() for k, t in trainer.lora.slot_state_dict(idx).items()}
+
+
+async def _all_weights(bus: Bus) -> list[WeightsReady]:
+    """Every WeightsReady in the stream, whatever its subject."""
+    info = await bus.js.stream_info(sj.WEIGHTS_STREAM)
+    first, last = info.state.first_seq, info.state.last_seq
+    raws = [await bus.js.get_msg(sj.WEIGHTS_STREAM, seq) for seq in range(first, last + 1)]
+    return [decode(raw.data or b"", WeightsReady) for raw in raws]
 
 
 async def _progress_at(bus: Bus, run_id: str, step: int):

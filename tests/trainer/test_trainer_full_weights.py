@@ -5,6 +5,7 @@ gives a later run the base model again."""
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import pickle
 import shutil
@@ -12,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from pydantic import ValidationError
@@ -24,9 +26,9 @@ from service_support import (
     submit,
     weights_events,
 )
-from trainer_support import config, make_batch, run_config, same_tensors
+from trainer_support import VOCAB, config, make_batch, run_config, same_tensors
 
-from schemas.events import EvictRequested
+from schemas.events import EvictRequested, RolloutBatch
 from services.config import load_settings
 from services.model.full import FullWeights, base_weight_files
 from services.model.loader import load_model
@@ -38,8 +40,10 @@ from services.trainer.checkpoint import (
     read_step_log,
     save_checkpoint,
 )
+from services.trainer.loss import selected_logprobs
 from services.trainer.settings import TrainerSettings
 from services.trainer.state import RunSetupError, create_run_state
+from services.trainer.step import StepExecutor
 from services.weights import load_weights
 
 REPO = Path(__file__).parents[2]
@@ -255,6 +259,51 @@ def test_full_weights_are_the_model_itself_with_no_base_beside_it(tiny_dir, tmp_
     assert same_tensors(full.slot_state_dict(0), before)
     with pytest.raises(ValueError, match=r"has neither model\.safetensors nor"):
         base_weight_files(tmp_path)
+
+
+def _completion_logprobs(full: FullWeights, batch: RolloutBatch) -> list[list[float]]:
+    """Each completion's token log-probabilities under the model as it is now."""
+    out = []
+    for s in batch.samples:
+        ids = torch.tensor([s.prompt_ids + s.completion_ids])
+        with torch.no_grad(), full.use([0]):
+            logits = full.model(input_ids=ids).logits
+        out.append(selected_logprobs(logits[:, :-1], ids[:, 1:], 1.0)[0, len(s.prompt_ids) - 1 :])
+    return [t.tolist() for t in out]
+
+
+def _mean(rows: list[list[float]]) -> float:
+    return sum(map(sum, rows)) / sum(map(len, rows))
+
+
+@pytest.mark.parametrize("advantage", [1.0, -1.0])
+def test_full_weight_steps_follow_the_advantage(tiny_dir, advantage):
+    """Each step makes completions with a positive advantage more likely and those with a
+    negative one less likely: the update descends the policy loss, it does not only move."""
+    full = FullWeights.attach(copy.deepcopy(load_model(tiny_dir)[0]), tiny_dir)
+    executor = StepExecutor(full.model, full, token_budget=128, pad_id=0, vocab_size=VOCAB)
+    cfg = config(lr=1e-3)
+    states = {0: create_run_state(full, 0, "run_full", cfg, cfg.digest())}
+    batch = make_batch("run_full", 0, num_samples=4, advantage=advantage)
+    means = []
+    for step in range(3):
+        # sampled by the model as it is (ratio 1: nothing clipped), then trained on
+        now = _completion_logprobs(full, batch)
+        means.append(_mean(now))
+        samples = [
+            msgspec.structs.replace(s, completion_logprobs=lp)
+            for s, lp in zip(batch.samples, now, strict=True)
+        ]
+        on_policy = RolloutBatch(run_id="run_full", step=step, policy_version=step, samples=samples)
+        [result] = executor.run([(0, on_policy)], states).runs.values()
+        assert result.trained and result.stats.num_clipped == 0
+        states[0].advance(result.num_tokens, result.num_samples, result.reward_mean)
+    means.append(_mean(_completion_logprobs(full, batch)))
+    steps = [b - a for a, b in itertools.pairwise(means)]
+    if advantage > 0:
+        assert all(d > 0 for d in steps), means
+    else:
+        assert all(d < 0 for d in steps), means
 
 
 async def _async(value):
