@@ -1,0 +1,79 @@
+"""What a reconnect does to the work in flight, against a real nats-server SIGKILLed and started
+again on its own store: a request is sent again and answered. Without it the request would wait
+out its timeout, set here far beyond what the test allows: the bound each test waits is the
+proof that nothing waited it out."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from nats.aio.msg import Msg
+
+from schemas.codec import decode, encode
+from schemas.events import GenerateRequest, GenerateResponse
+from services.bus import Bus, EmbeddedNats, flushed
+
+REQUEST_TIMEOUT = 120.0
+"""the orchestrator's default generate timeout: what a lost request used to wait out"""
+
+
+async def _restart(server: EmbeddedNats, bus: Bus, *, kill: bool = True) -> None:
+    """SIGKILL (or stop) the server, start it again on the same store and port, wait for
+    ``bus`` to reconnect."""
+    before = bus.reconnects.count
+    if kill:
+        server.kill()
+    else:
+        server.stop()
+    await asyncio.sleep(0.5)
+    server.start()
+    deadline = time.monotonic() + 30
+    while bus.reconnects.count == before and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert bus.reconnects.count == before + 1
+
+
+async def test_a_request_lost_with_the_server_is_sent_again_on_the_reconnect(
+    tmp_path: Path,
+) -> None:
+    server = EmbeddedNats(store_dir=tmp_path / "js")
+    server.start()
+    client = await Bus.connect(server.url, "client", provision_streams=False)
+    responder = await Bus.connect(server.url, "responder", provision_streams=False)
+    seen: list[str] = []
+    first = asyncio.Event()
+
+    async def answer(msg: Msg) -> None:
+        request = decode(msg.data, GenerateRequest)
+        seen.append(request.request_id)
+        if len(seen) == 1:
+            first.set()  # the first copy is never answered: its server dies meanwhile
+            return
+        reply = GenerateResponse(
+            request_id=request.request_id, run_id=request.run_id, policy_version=7, completions=[]
+        )
+        await responder.nc.publish(msg.reply, encode(reply))
+
+    await responder.nc.subscribe("test.ask", cb=answer)
+    await flushed(responder.nc)
+    try:
+        ask = GenerateRequest(request_id="req-1", run_id="run_x", prompts=[[1, 2]])
+        started = time.monotonic()
+        reply = asyncio.create_task(
+            client.request("test.ask", ask, GenerateResponse, timeout=REQUEST_TIMEOUT)
+        )
+        await asyncio.wait_for(first.wait(), 10)
+        await _restart(server, client)
+        answered = await asyncio.wait_for(reply, 30)
+        took = time.monotonic() - started
+        print(
+            f"request answered {took:.1f}s after it was first sent (timeout {REQUEST_TIMEOUT:g}s)"
+        )
+        assert (answered.request_id, answered.policy_version) == ("req-1", 7)
+        assert seen == ["req-1", "req-1"]  # the same request, sent once more after the reconnect
+    finally:
+        await client.close()
+        await responder.close()
+        server.close()
