@@ -1,7 +1,7 @@
 """What a reconnect does to the work in flight, against a real nats-server SIGKILLed and started
-again on its own store: a request is sent again and answered. Without it the request would wait
-out its timeout, set here far beyond what the test allows: the bound each test waits is the
-proof that nothing waited it out."""
+again on its own store: a request is sent again and answered, a follower subscribes again.
+Without them each would wait out a timeout (the request's, two heartbeats) set here far beyond
+what the test allows: the bound each test waits is the proof that nothing waited it out."""
 
 from __future__ import annotations
 
@@ -11,12 +11,15 @@ from pathlib import Path
 
 from nats.aio.msg import Msg
 
+from schemas import RunEvicted
 from schemas.codec import decode, encode
 from schemas.events import GenerateRequest, GenerateResponse
-from services.bus import Bus, EmbeddedNats, flushed
+from services.bus import Bus, EmbeddedNats, Follower, MessageMeta, flushed
 
 REQUEST_TIMEOUT = 120.0
 """the orchestrator's default generate timeout: what a lost request used to wait out"""
+HEARTBEAT = 30.0
+"""a follower's idle heartbeat: nats-py notices a lost ordered consumer after two of them"""
 
 
 async def _restart(server: EmbeddedNats, bus: Bus, *, kill: bool = True) -> None:
@@ -76,4 +79,35 @@ async def test_a_request_lost_with_the_server_is_sent_again_on_the_reconnect(
     finally:
         await client.close()
         await responder.close()
+        server.close()
+
+
+async def test_a_follower_subscribes_again_on_the_reconnect_not_after_missed_heartbeats(
+    tmp_path: Path, uid: str
+) -> None:
+    server = EmbeddedNats(store_dir=tmp_path / "js")
+    server.start()
+    bus = await Bus.connect(server.url, "test")
+    got: list[int] = []
+
+    def on_event(seq: int, event: RunEvicted, meta: MessageMeta) -> None:
+        got.append(event.idx)
+
+    try:
+        stream, prefix = f"FOLLOW_{uid}", f"follow.{uid}"
+        await bus.js.add_stream(name=stream, subjects=[f"{prefix}.>"])
+        await bus.publish(f"{prefix}.a", RunEvicted(run_id="run_0", idx=0, reason="r"))
+        follower: Follower[RunEvicted] = Follower(
+            bus, stream, f"{prefix}.>", RunEvicted, on_event, heartbeat=HEARTBEAT
+        )
+        await follower.start()
+        await follower.wait_for_seq(1, 5.0)
+        await _restart(server, bus)  # the ordered consumer dies with the server
+        ack = await bus.publish(f"{prefix}.a", RunEvicted(run_id="run_1", idx=1, reason="r"))
+        # two missed heartbeats would be 60 s; the reconnect brings it well before
+        await follower.wait_for_seq(ack.seq, HEARTBEAT / 2)
+        assert got == [0, 1] and follower.resubscribed == 1
+        await follower.stop()
+    finally:
+        await bus.close()
         server.close()
