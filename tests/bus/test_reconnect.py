@@ -1,7 +1,8 @@
 """What a reconnect does to the work in flight, against a real nats-server SIGKILLed and started
-again on its own store: a request is sent again and answered, a follower subscribes again.
-Without them each would wait out a timeout (the request's, two heartbeats) set here far beyond
-what the test allows: the bound each test waits is the proof that nothing waited it out."""
+again on its own store: a request is sent again and answered, a follower subscribes again, a
+pull consumer gets back a message delivered into the dead connection. Without them each would
+wait out a timeout (the request's, two heartbeats, ``ack_wait``) set here far beyond what the
+test allows: the bound each test waits is the proof that nothing waited it out."""
 
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ from nats.aio.msg import Msg
 from schemas import RunEvicted
 from schemas.codec import decode, encode
 from schemas.events import GenerateRequest, GenerateResponse
-from services.bus import Bus, EmbeddedNats, Follower, MessageMeta, flushed
+from services.bus import Bus, Consumer, EmbeddedNats, Follower, MessageMeta, flushed
 
 REQUEST_TIMEOUT = 120.0
 """the orchestrator's default generate timeout: what a lost request used to wait out"""
 HEARTBEAT = 30.0
 """a follower's idle heartbeat: nats-py notices a lost ordered consumer after two of them"""
+ACK_WAIT = 120.0
 
 
 async def _restart(server: EmbeddedNats, bus: Bus, *, kill: bool = True) -> None:
@@ -110,4 +112,54 @@ async def test_a_follower_subscribes_again_on_the_reconnect_not_after_missed_hea
         await follower.stop()
     finally:
         await bus.close()
+        server.close()
+
+
+async def test_a_message_delivered_into_a_lost_connection_comes_back_at_once(
+    tmp_path: Path, uid: str
+) -> None:
+    """The server hands a message to the consumer and it never arrives (here another
+    connection takes it in the consumer's name and drops it): after the next reconnect the
+    consumer is made anew from its ack floor and gets it again, instead of after ack_wait; a
+    delivery it held from before the reconnect is stale, and settling it is a no-op."""
+    server = EmbeddedNats(store_dir=tmp_path / "js")
+    server.start()
+    bus = await Bus.connect(server.url, "trainer")
+    thief = await Bus.connect(server.url, "thief", provision_streams=False)
+    stream, subject = f"LOST_{uid}", f"lost.{uid}"
+    try:
+        await bus.js.add_stream(name=stream, subjects=[subject])
+        consumer: Consumer[RunEvicted] = Consumer(
+            bus,
+            stream=stream,
+            durable="worker",
+            filter_subject=subject,
+            event_type=RunEvicted,
+            ack_wait=ACK_WAIT,
+        )
+        held: set[int] = set()
+        consumer.recover_on_reconnect(lambda: held)
+        await consumer.start()
+        for i in range(3):
+            await bus.publish(subject, RunEvicted(run_id=f"run_{i}", idx=i, reason="r"))
+        ((_, kept),) = await consumer.fetch(batch=1, timeout=5.0)
+        held.add(kept.stream_sequence)
+        lost = await thief.js.pull_subscribe(subject, durable="worker", stream=stream)
+        (dropped,) = await lost.fetch(1, timeout=5.0)  # delivered, never to arrive
+        assert dropped.metadata.sequence.stream == 2
+        # stopped, not killed: the server's consumer state, written lazily, says both were
+        # delivered (a SIGKILL may forget either, which the server then delivers again itself)
+        await _restart(server, bus, kill=False)
+        again = await consumer.fetch(batch=8, timeout=5.0)
+        assert [(e.idx, d.stream_sequence) for e, d in again] == [(0, 1), (1, 2), (2, 3)]
+        assert consumer.generation == 1 and kept.stale
+        await kept.ack()  # stale: a no-op, the new delivery of stream sequence 1 acks it
+        for _, delivery in again:
+            await delivery.ack()
+        info = await bus.js.consumer_info(stream, "worker")
+        assert (info.num_ack_pending, info.num_pending, info.ack_floor.stream_seq) == (0, 0, 3)
+        await consumer.close()
+    finally:
+        await bus.close()
+        await thief.close()
         server.close()
