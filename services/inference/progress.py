@@ -27,10 +27,18 @@ log = logging.getLogger(__name__)
 class ProgressBeacon:
     """Publishes GenerateProgress for one request while the ``async with`` block runs.
 
-    ``state`` starts as ``waiting_for_version``; assigning another sends a message at once.
+    ``state`` starts as given (``waiting_for_version``); assigning another sends a message at
+    once.
     """
 
-    def __init__(self, nc: NATS, req: GenerateRequest, replica: str, fmt: Format) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        req: GenerateRequest,
+        replica: str,
+        fmt: Format,
+        state: ProgressState = "waiting_for_version",
+    ) -> None:
         assert req.progress_subject is not None
         self.nc = nc
         self.subject = req.progress_subject
@@ -40,7 +48,7 @@ class ProgressBeacon:
         self.replica = replica
         self.fmt = fmt
         self.sent = 0
-        self._state: ProgressState = "waiting_for_version"
+        self._state: ProgressState = state
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 

@@ -31,6 +31,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -41,10 +42,11 @@ from nats.aio.msg import Msg
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from schemas import subjects as sj
-from schemas.codec import DecodeError, decode, salvage_id
+from schemas.codec import DecodeError, Format, decode, salvage_id
 from schemas.events import GenerateRequest, GenerateResponse, WeightsReady
 from schemas.tenant import DEFAULT_TENANT
 from services.bus import Bus, flushed, tracing
+from services.inference.answers import Answers, request_key
 from services.inference.jobs import Engine, Job, JobResult, LoadInto, SlotChanged
 from services.inference.progress import ProgressBeacon
 from services.inference.requests import (
@@ -113,6 +115,8 @@ class InferenceService:
         )
         self.served: Counter[str] = Counter()
         """Requests answered with completions, per run."""
+        self.answers = Answers()
+        """one generation per request, however often it arrives"""
         self.errors = 0
         self.ignored_versions = 0
         """Announced adapters not newer than what the run already had."""
@@ -233,6 +237,7 @@ class InferenceService:
 
     def _on_run_deleted(self, idx: int, run_id: str) -> None:
         self.engine.remove_run(idx, run_id)
+        self.answers.forget(run_id)
         self._unservable.pop(run_id, None)
         self._held.pop(run_id, None)
 
@@ -350,11 +355,26 @@ class InferenceService:
         span.set_attribute("run_id", req.run_id)
         span.set_attribute("request_id", req.request_id)
         span.set_attribute("tenant", tenant)
+        fmt = request_format(headers)
+
+        def progress() -> ProgressBeacon | contextlib.nullcontext[None]:  # a copy's, meanwhile
+            if req.progress_subject is None:
+                return contextlib.nullcontext()
+            return ProgressBeacon(self.bus.nc, req, self.replica_name, fmt, "generating")
+
+        return await self.answers.answer(
+            request_key(tenant, req),
+            lambda: self._respond(req, tenant, subject, data, span, fmt),
+            progress,
+        )
+
+    async def _respond(
+        self, req: GenerateRequest, tenant: str, subject: str, data: bytes, span: Span, fmt: Format
+    ) -> GenerateResponse:
         try:
             if req.progress_subject is None:
                 slot, result = await self._generate(req, tenant, None)
             else:
-                fmt = request_format(headers)
                 async with ProgressBeacon(self.bus.nc, req, self.replica_name, fmt) as beacon:
                     slot, result = await self._generate(req, tenant, beacon)
         except WrongTenant as exc:
