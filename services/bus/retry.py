@@ -73,6 +73,9 @@ REPORT_AFTER = 2.0
 """Seconds an operation fails with :func:`unavailable` errors before its wait is logged (a
 leader election is usually over sooner and goes unreported)."""
 
+RECHECK_S = 1.0
+"""Seconds between two looks at the servers while a stuck try waits for them to come back."""
+
 STUCK_AFTER = 5.0
 """Seconds one try may go unanswered before the servers are looked at: a request to a stream
 leader that lost its quorum may wait out its whole timeout (30 s for a chunk of an object), so
@@ -202,12 +205,12 @@ class _Outage:
             _describe(exc),
         )
 
-    async def report_stuck(self, limit: float) -> None:
-        if self.reported:
-            return
+    async def report_stuck(self, limit: float) -> bool:
+        """Report a try gone unanswered while most servers are unreachable; whether they
+        are (else it is a slow answer: a big object, a busy server, not an outage)."""
         seen = await self.servers()
-        if not seen.quorum_lost:
-            return  # a slow answer (a big object, a busy server), not an outage
+        if self.reported or not seen.quorum_lost:
+            return seen.quorum_lost
         self._reporting()
         log.warning(
             "%s: %s; waiting %s (no answer for %.0fs yet)",
@@ -216,6 +219,7 @@ class _Outage:
             _bound(limit),
             self.lasted,
         )
+        return True
 
     def resumed(self) -> None:
         if self.reported:
@@ -243,14 +247,23 @@ def _bound(limit: float) -> str:
 
 
 async def _watched(
-    operation: Callable[[], Awaitable[T]], stuck: Callable[[], Awaitable[None]]
+    operation: Callable[[], Awaitable[T]],
+    stuck: Callable[[], Awaitable[bool]],
+    hint: Hint,
 ) -> T:
-    """``await operation()``, calling ``stuck()`` once if it takes ``STUCK_AFTER`` seconds."""
+    """``await operation()``, calling ``stuck()`` once if it takes ``STUCK_AFTER`` seconds. If
+    that finds most servers unreachable (the try went to a leader without its quorum, which may
+    not answer before its timeout, 30 s for a chunk of an object), the servers are looked at
+    every :data:`RECHECK_S` seconds, and once they are back the try is abandoned with
+    :class:`ConnectionLost`, to be made again at once."""
     task = asyncio.ensure_future(operation())
     try:
         done, _ = await asyncio.wait({task}, timeout=STUCK_AFTER)
-        if not done:
-            await stuck()
+        if not done and await stuck():
+            while not task.done():
+                await asyncio.wait({task}, timeout=RECHECK_S)
+                if not task.done() and not (await hint()).quorum_lost:
+                    raise ConnectionLost
         return await task
     except BaseException:
         task.cancel()  # cancelled while waiting: the try goes too
@@ -301,14 +314,14 @@ async def with_backoff(
             attempt += 1
             started = time.monotonic()
 
-            async def stuck(since: float = started) -> None:
+            async def stuck(since: float = started) -> bool:
                 nonlocal outage
                 outage = outage or _Outage(label, max_delay, hint, since)
-                await outage.report_stuck(outage_wait)
+                return await outage.report_stuck(outage_wait)
 
             try:
                 if outage_wait > 0 and hint is not None:
-                    result = await _watched(tried, stuck)
+                    result = await _watched(tried, stuck, hint)
                 else:
                     result = await tried()
             except ConnectionLost:
