@@ -15,7 +15,8 @@ or a misbehaving client changed) and puts it back to the config the service need
 in place or, when the server cannot, making it anew; it logs and reports each such repair.
 
 A consumer that knows what it holds (:meth:`Consumer.recover_on_reconnect`) gets back at once,
-after a reconnect, the messages a lost connection or a restarted server took with it: a message
+after a reconnect (or a fetch that failed: the consumer's leader died), the messages a lost
+connection or a restarted server took with it: a message
 handed to it that never arrived, or one whose acknowledgement the server confirmed and then lost
 when it was killed (it confirms an ack before the consumer's state is on disk). The server would
 deliver them again only when their ``ack_wait`` runs out; instead the consumer is made anew from
@@ -355,6 +356,11 @@ class Consumer(Generic[T]):
                 msgs = await self._sub.fetch(batch, timeout=timeout)
             except (TimeoutError, NatsTimeout):
                 msgs = []  # nothing pending: nats-py raises on an empty fetch
+            except Exception:
+                # the consumer has no leader (a server of its cluster died): what that server
+                # was handing over may be lost without this connection being made again
+                self._lost_check = self._holding is not None
+                raise
         record_queue_depth(self.bus.service, self.durable or self.filter_subject, _pending(msgs))
         return msgs
 
