@@ -81,13 +81,18 @@ class Delivery:
         """Acknowledge, waiting for the server's confirmation; while JetStream is unavailable
         (the consumer has no leader: a cluster without its quorum) for as long as the bus's
         ``outage_wait`` allows. An ack repeated is harmless."""
-        if self.stale:
-            return
         if self.bus is None:
-            await self.msg.ack_sync()
+            if not self.stale:
+                await self.msg.ack_sync()
             return
+
+        async def ack() -> None:
+            # checked on every try: a consumer made anew meanwhile never answers this one
+            if not self.stale:
+                await self.msg.ack_sync()
+
         what = f"acknowledging {self.subject} (stream sequence {self.stream_sequence})"
-        await self.bus.until_available(self.msg.ack_sync, what)
+        await self.bus.until_available(ack, what)
 
     async def nak(self, delay: float | None = None) -> None:
         if not self.stale:
