@@ -16,12 +16,12 @@ in place or, when the server cannot, making it anew; it logs and reports each su
 
 A consumer that knows what it holds (:meth:`Consumer.recover_on_reconnect`) gets back at once,
 after a reconnect (or a fetch that failed: the consumer's leader died), the messages a lost
-connection or a restarted server took with it: a message
-handed to it that never arrived, or one whose acknowledgement the server confirmed and then lost
-when it was killed (it confirms an ack before the consumer's state is on disk). The server would
-deliver them again only when their ``ack_wait`` runs out; instead the consumer is made anew from
-its ack floor (see :meth:`Consumer.take_over`), and the deliveries it held before become stale:
-settling one is a no-op, as its message comes again.
+connection or a restarted server took with it: a message handed to it that never arrived, or one
+whose acknowledgement the server confirmed and then lost when it was killed (it confirms an ack
+before the consumer's state is on disk). The server would deliver them again only when their
+``ack_wait`` runs out; instead the consumer is made anew from its ack floor (see
+:meth:`Consumer.take_over`), and the deliveries it held before become stale: settling one is a
+no-op, as its message comes again.
 """
 
 from __future__ import annotations
