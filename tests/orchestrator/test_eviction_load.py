@@ -8,8 +8,9 @@ every reply) loses a cancellation that arrives in the same turn of the event loo
 The step then retried the requests of a run inference no longer knew, for ever. Under two busy
 cores it happened in about one round in ten; the run loop now cancels again a task that goes on.
 
-``PLEXRL_EVICTION_ROUNDS`` sets the rounds (default 2); ``scripts/eviction_loop.sh`` runs 50
-with both cores kept busy.
+``PLEXRL_EVICTION_ROUNDS`` sets the rounds (default 2); ``PLEXRL_EVICTION_ROUNDS=50
+scripts/loop_under_load.sh 1 tests/orchestrator/test_eviction_load.py`` runs 50 with every core
+kept busy.
 """
 
 from __future__ import annotations
