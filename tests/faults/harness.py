@@ -29,10 +29,11 @@ from nats.aio.msg import Msg
 
 from schemas.codec import decode
 from schemas.config import OrchConfig, dump_toml
-from schemas.events import GenerateProgress
+from schemas.events import GenerateProgress, GenerateResponse
 from schemas.records import Progress
 from schemas.subjects import ROLLOUTS_STREAM
 from services.bus import Bus, EmbeddedNats
+from services.inference.requests import REPLICA_HEADER
 from services.runs.progress import read_progress
 from services.trainer.checkpoint import complete_checkpoints
 
@@ -94,6 +95,9 @@ class Fault:
     """SIGKILL sent already (by a ``holding`` trigger, from the progress message)"""
     skipped: bool = False
     """the target (an orchestrator) had finished its run before the trigger came"""
+    answered_first: bool = False
+    """a ``holding`` kill of a replica that had sent its reply already (its progress message
+    reached us late, under load): nothing was lost, so the scenario did not test a recovery"""
 
     def describe(self) -> str:
         if self.crash:
@@ -142,6 +146,9 @@ class System:
         self._armed: Fault | None = None
         self._inboxes: Any = None
         """while a ``holding`` fault is armed: a subscription to every client's inbox"""
+        self._held: tuple[Fault, str, str] | None = None
+        """a killed replica, and the request it held, until its restart: a reply it sent
+        before the SIGKILL reached it shows that the kill came too late"""
         self._trained: dict[str, int] = {}
         """each run's steps trained, as last read (what the runs had when the server died)"""
         self._started = time.monotonic()
@@ -245,6 +252,7 @@ class System:
     async def _on_inbox(self, msg: Msg) -> None:
         """A message to some client's inbox: a replica's GenerateProgress fires an armed
         ``holding`` fault at once (a generate request is in flight)."""
+        self._answered_first(msg)
         fault = self._armed
         if fault is None:
             return
@@ -268,6 +276,20 @@ class System:
         fault.killed_at_step = self.generated(fault.run)  # the step being generated
         self._down.add(target)
         self.log(f"{progress.replica} took {progress.request_id}: SIGKILL {target}")
+        if target.startswith("inference-"):
+            self._held = (fault, progress.replica, progress.request_id)
+
+    def _answered_first(self, msg: Msg) -> None:
+        if self._held is None or (msg.headers or {}).get(REPLICA_HEADER) != self._held[1]:
+            return
+        fault, replica, request_id = self._held
+        try:
+            reply = decode(msg.data, GenerateResponse, (msg.headers or {}).get("Content-Type"))
+        except Exception:  # a progress message
+            return
+        if reply.request_id == request_id:
+            fault.answered_first = True
+            self.log(f"{replica} had answered {request_id} before the SIGKILL: nothing lost")
 
     async def _kill(self, fault: Fault) -> None:
         if fault.crash:
@@ -299,7 +321,7 @@ class System:
         self.log(what + (f" at step {at}" if at is not None else ""))
         if fault.trigger == "holding" and fault.target.startswith("inference-"):
             assert at is not None and fault.killed_at is not None
-            timer = asyncio.create_task(time_request(self, fault.run, at, fault.killed_at))
+            timer = asyncio.create_task(time_request(self, fault))
             self._timers.append(timer)
 
     async def _restart(self, fault: Fault) -> None:
@@ -313,6 +335,9 @@ class System:
         fault.restarted_at, fault.restarted_wall = time.monotonic(), time.time()
         self._down.discard(fault.target)
         self.log(f"restarted {fault.target}")
+        if self._held is not None and self._held[0] is fault:
+            self._held = None
+            await self._disarm()
         if fault.target in ("trainer", "nats"):
             if fault.target == "trainer":
                 trained = {r: _newest_checkpoint(self.out, r) for r in self.runs}
@@ -363,7 +388,7 @@ class System:
                     ):
                         await self._arm(fault)
                     ready = fault.signalled
-                    if ready:
+                    if ready and self._held is None:
                         await self._disarm()
                 else:
                     fault.killed_at_step = await self.step_of(fault.run, fault.trigger)

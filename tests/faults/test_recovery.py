@@ -78,17 +78,24 @@ async def test_replica_killed_mid_request_the_other_answers_within_seconds(
     tmp_path: Path, tiny_model: Path, rng: random.Random
 ) -> None:
     """One of two replicas dies holding a request: its progress messages stop, and the
-    orchestrator sends the request again (the other replica answers) after 3 silent beats."""
-    run, replica = rng.choice(RUNS), rng.randrange(2)
-    fault = Fault(
-        f"inference-{replica}",
-        run=run,
-        at_step=rng.randint(2, 5),
-        trigger="holding",
-        restart_after=rng.uniform(3.0, 6.0),
-    )
-    system = _system(tmp_path, tiny_model, replicas=2)
-    await run_scenario(system, [fault])
+    orchestrator sends the request again (the other replica answers) after 3 silent beats.
+    A tiny model's answer can come before the SIGKILL that its progress message set off (this
+    process, on busy cores, reads the message late); then nothing was lost, and the scenario
+    is made again."""
+    for attempt in range(3):
+        run, replica = rng.choice(RUNS), rng.randrange(2)
+        fault = Fault(
+            f"inference-{replica}",
+            run=run,
+            at_step=rng.randint(2, 5),
+            trigger="holding",
+            restart_after=rng.uniform(3.0, 6.0),
+        )
+        system = _system(tmp_path / f"try{attempt}", tiny_model, replicas=2)
+        await run_scenario(system, [fault])
+        if not fault.answered_first:
+            break
+    assert not fault.answered_first, "every kill came after the replica's answer"
     (took,) = system.recoveries["request"]
     print(f"the step the killed replica held was generated {took:.1f}s after the kill")
     assert took < REQUEST_TIMEOUT / 2, system.events

@@ -8,7 +8,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .harness import System
+    from .harness import Fault, System
 
 LIVENESS_S = 240.0
 """A run that makes no progress for this long, or a recovery that takes this long, fails the
@@ -76,14 +76,21 @@ async def time_service(system: System, target: str) -> None:
     system.log(f"recovery after the {target} restart: {took:.1f}s")
 
 
-async def time_request(system: System, run_id: str, generated: int, killed: float) -> None:
-    """Seconds from the kill of a replica holding a request of ``run_id`` until the step
-    it was generating (``generated`` were done) is generated."""
+async def time_request(system: System, fault: Fault) -> None:
+    """Seconds from the kill of a replica holding a request of ``fault.run`` until the step
+    it was generating (``fault.killed_at_step`` were done) is generated; nothing to time when
+    the replica had answered first."""
+    run_id, generated, killed = fault.run, fault.killed_at_step, fault.killed_at
+    assert generated is not None and killed is not None
     deadline = killed + LIVENESS_S
     while system.generated(run_id) <= generated:
+        if fault.answered_first:
+            return
         if time.monotonic() > deadline:
             raise AssertionError(f"{run_id}: step {generated} not generated after the kill")
         await asyncio.sleep(0.05)
+    if fault.answered_first:
+        return
     took = time.monotonic() - killed
     system.recoveries["request"].append(took)
     system.log(f"recovery after the replica's kill: {run_id} step {generated} in {took:.1f}s")
