@@ -41,6 +41,7 @@ from services.bus.errors import BusUnavailable, PayloadTooLarge
 from services.bus.limits import STREAM_SETTINGS, durable_write, full_as_error, stream_of
 from services.bus.outage import any_reachable, outage_hint
 from services.bus.provision import provision
+from services.bus.reconnect import Reconnects
 from services.bus.retry import Servers, with_backoff
 from services.bus.security import credentials, tls_context
 from services.config import ProcessSettings, process_settings
@@ -164,6 +165,8 @@ async def _open(
 
     async def _on_reconnect() -> None:
         log.info("%s: reconnected to NATS", service)
+        if closing:
+            closing[0].reconnects.reconnected()
 
     nc = NATS()
     behaviour: dict[str, Any] = {
@@ -247,6 +250,7 @@ class Bus:
         """set when the service is asked to stop: an operation waiting for JetStream (no quorum)
         or for room in a full store then gives up with ``StoppedWaiting`` instead of waiting on"""
         self.invalid_count = 0
+        self.reconnects = Reconnects(nc)  # what was in flight goes again after each
         self._closing = False
         self._tracer = tracing.tracer(f"plexrl.{service}")
 
@@ -352,6 +356,7 @@ class Bus:
             what=f"{self.service}: {what}",
             hint=self.outage_hint,
             stop=self.stopping,
+            lost=self.reconnects.lost,
         )
 
     # --- publishing -----------------------------------------------------------------------
@@ -431,6 +436,7 @@ class Bus:
                 outage_wait=self.outage_wait if outage_wait is None else outage_wait,
                 hint=self.outage_hint,
                 stop=self.stopping,
+                lost=self.reconnects.lost,
             )
 
     async def request(
@@ -442,13 +448,13 @@ class Bus:
         timeout: float,
         fmt: Format | None = None,
     ) -> T:
-        """Core NATS request/reply with a typed response (raises nats TimeoutError on timeout)."""
+        """Core NATS request/reply with a typed response (raises nats TimeoutError on timeout),
+        sent again on each reconnect until answered (:func:`services.bus.reconnect.request`)."""
         fmt = fmt or self.fmt
         with self._tracer.start_as_current_span(f"request {subject}", kind=SpanKind.CLIENT):
-            data = self._encode(subject, event, fmt)
-            msg = await self.nc.request(
-                subject, data, timeout=timeout, headers=self._headers(None, fmt)
-            )
+            data, headers = self._encode(subject, event, fmt), self._headers(None, fmt)
+            what = f"{self.service}: {type(event).__name__}"
+            msg = await self.reconnects.request(subject, data, timeout, headers, what)
             return decode(msg.data, response_type, (msg.headers or {}).get("Content-Type"))
 
     # --- error reports --------------------------------------------------------------------

@@ -13,14 +13,24 @@ A service owns its durable consumers: :meth:`Consumer.start` finds an existing o
 config (another filter, a push delivery subject, other acknowledgement limits: what an operator
 or a misbehaving client changed) and puts it back to the config the service needs, updating it
 in place or, when the server cannot, making it anew; it logs and reports each such repair.
+
+A consumer that knows what it holds (:meth:`Consumer.recover_on_reconnect`) gets back at once,
+after a reconnect (or a fetch that failed: the consumer's leader died), the messages a lost
+connection or a restarted server took with it: a message handed to it that never arrived, or one
+whose acknowledgement the server confirmed and then lost when it was killed (it confirms an ack
+before the consumer's state is on disk). The server would deliver them again only when their
+``ack_wait`` runs out; instead the consumer is made anew from its ack floor (see
+:meth:`Consumer.take_over`), and the deliveries it held before become stale: settling one is a
+no-op, as its message comes again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -58,26 +68,44 @@ class Delivery:
     context: otel_context.Context = field(default_factory=otel_context.Context)
     bus: Bus | None = None
     """the connection it came on: an ack waits on it while JetStream is unavailable"""
+    consumer: Consumer[Any] | None = None
+    generation: int = 0
+    """the consumer's generation it came from; once the consumer is made anew, its message
+    comes again, and settling this delivery is a no-op"""
+
+    @property
+    def stale(self) -> bool:
+        return self.consumer is not None and self.generation != self.consumer.generation
 
     async def ack(self) -> None:
         """Acknowledge, waiting for the server's confirmation; while JetStream is unavailable
         (the consumer has no leader: a cluster without its quorum) for as long as the bus's
         ``outage_wait`` allows. An ack repeated is harmless."""
         if self.bus is None:
-            await self.msg.ack_sync()
+            if not self.stale:
+                await self.msg.ack_sync()
             return
+
+        async def ack() -> None:
+            # checked on every try: a consumer made anew meanwhile never answers this one
+            if not self.stale:
+                await self.msg.ack_sync()
+
         what = f"acknowledging {self.subject} (stream sequence {self.stream_sequence})"
-        await self.bus.until_available(self.msg.ack_sync, what)
+        await self.bus.until_available(ack, what)
 
     async def nak(self, delay: float | None = None) -> None:
-        await self.msg.nak(delay=delay)
+        if not self.stale:
+            await self.msg.nak(delay=delay)
 
     async def term(self) -> None:
-        await self.msg.term()
+        if not self.stale:
+            await self.msg.term()
 
     async def in_progress(self) -> None:
         """Reset the ack timer while a long piece of work (a training step) holds the message."""
-        await self.msg.in_progress()
+        if not self.stale:
+            await self.msg.in_progress()
 
 
 _OWNED = ("filter_subject", "ack_policy", "ack_wait", "max_deliver", "max_ack_pending")
@@ -115,7 +143,7 @@ def _pending(msgs: list[Msg]) -> int:
         return 0
 
 
-def _delivery(msg: Msg, bus: Bus | None = None) -> Delivery:
+def _delivery(msg: Msg, bus: Bus | None = None, consumer: Consumer[Any] | None = None) -> Delivery:
     headers = dict(msg.headers or {})
     seq, delivered = 0, 1
     try:
@@ -124,7 +152,9 @@ def _delivery(msg: Msg, bus: Bus | None = None) -> Delivery:
         delivered = md.num_delivered or 1
     except Exception:  # a non-JetStream message has no metadata
         pass
-    return Delivery(msg, msg.subject, headers, seq, delivered, tracing.extract(headers), bus)
+    generation = consumer.generation if consumer is not None else 0
+    context = tracing.extract(headers)
+    return Delivery(msg, msg.subject, headers, seq, delivered, context, bus, consumer, generation)
 
 
 class Consumer(Generic[T]):
@@ -163,6 +193,11 @@ class Consumer(Generic[T]):
         )
         self._sub: JetStreamContext.PullSubscription | None = None
         self._tracer = tracing.tracer(f"plexrl.{bus.service}")
+        self.generation = 0
+        """how many times this consumer was made anew to get back what it lost"""
+        self._holding: Callable[[], Collection[int]] | None = None
+        self._lost_check = False
+        self._lock = asyncio.Lock()
 
     async def start(self) -> Consumer[T]:
         """Create the consumer or restore its config (see the module docstring), and subscribe;
@@ -230,14 +265,7 @@ class Consumer(Generic[T]):
         held = int(info.num_ack_pending or 0)
         if held == 0:
             return 0
-        start = int(info.ack_floor.stream_seq if info.ack_floor else 0) + 1
-        await self.bus.js.delete_consumer(self.stream, self.durable)
-        self.config = dataclasses.replace(
-            self.config,
-            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-            opt_start_seq=start,
-        )
-        await self.start()
+        start = await self._anew_from(info)
         log.info(
             "%s: took over consumer %s: %d unacknowledged messages from stream sequence %d on",
             self.bus.service,
@@ -246,6 +274,67 @@ class Consumer(Generic[T]):
             start,
         )
         return held
+
+    async def _anew_from(self, info: api.ConsumerInfo) -> int:
+        """Make the durable consumer anew from its ack floor + 1 (that sequence)."""
+        assert self.durable is not None
+        start = int(info.ack_floor.stream_seq if info.ack_floor else 0) + 1
+        with contextlib.suppress(NotFoundError):  # gone already: made below
+            await self.bus.until_available(
+                lambda: self.bus.js.delete_consumer(self.stream, self.durable or ""),
+                f"replacing consumer {self.durable} of {self.stream}",
+            )
+        self.config = dataclasses.replace(
+            self.config,
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=start,
+        )
+        await self.start()
+        return start
+
+    def recover_on_reconnect(self, holding: Callable[[], Collection[int]] = tuple) -> None:
+        """After every reconnect, get back at once what the lost connection took (see the
+        module docstring). ``holding()`` is the stream sequences of the messages the caller holds
+        unsettled (delivered, not yet acked, nacked or terminated); the consumer must have no
+        other user."""
+        if self._holding is None:
+            self.bus.reconnects.on_reconnect(self._reconnected)
+        self._holding = holding
+
+    def _reconnected(self) -> None:
+        self._lost_check = True
+
+    async def _recover_lost(self) -> int:
+        """Messages the server holds as delivered to this consumer and the caller does not:
+        if any, make the consumer anew so that they come again now; how many."""
+        if self.durable is None or self._holding is None:
+            return 0
+        durable = self.durable
+        info = await self.bus.until_available(
+            lambda: self.bus.js.consumer_info(self.stream, durable),
+            f"reading consumer {durable} of {self.stream}",
+        )
+        delivered = int(info.delivered.stream_seq if info.delivered else 0)
+        # past what the server remembers delivering: it delivers them again by itself
+        ours = {seq for seq in self._holding() if seq <= delivered}
+        lost = int(info.num_ack_pending or 0) - len(ours)
+        if lost <= 0:
+            return 0
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self.generation += 1
+        start = await self._anew_from(info)
+        log.warning(
+            "%s: consumer %s: %d messages delivered before the reconnect never arrived or lost "
+            "their acks with the server; delivered again from stream sequence %d on, now",
+            self.bus.service,
+            durable,
+            lost,
+            start,
+        )
+        return lost
 
     async def close(self) -> None:
         """Unsubscribe (before draining the connection, which would otherwise wait)."""
@@ -257,13 +346,26 @@ class Consumer(Generic[T]):
                 log.debug("unsubscribe failed: %s", exc)
 
     async def _fetch_raw(self, batch: int, timeout: float) -> list[Msg]:
-        if self._sub is None:
-            await self.start()
-        assert self._sub is not None
-        try:
-            msgs = await self._sub.fetch(batch, timeout=timeout)
-        except (TimeoutError, NatsTimeout):
-            msgs = []  # nothing pending: nats-py raises on an empty fetch
+        async with self._lock:
+            if self._lost_check:
+                self._lost_check = False
+                try:
+                    await self._recover_lost()
+                except Exception:
+                    self._lost_check = True  # the connection went again: at the next fetch
+                    raise
+            if self._sub is None:
+                await self.start()
+            assert self._sub is not None
+            try:
+                msgs = await self._sub.fetch(batch, timeout=timeout)
+            except (TimeoutError, NatsTimeout):
+                msgs = []  # nothing pending: nats-py raises on an empty fetch
+            except Exception:
+                # the consumer has no leader (a server of its cluster died): what that server
+                # was handing over may be lost without this connection being made again
+                self._lost_check = self._holding is not None
+                raise
         record_queue_depth(self.bus.service, self.durable or self.filter_subject, _pending(msgs))
         return msgs
 
@@ -286,14 +388,14 @@ class Consumer(Generic[T]):
         for msg in await self._fetch_raw(
             batch or self.batch, self.fetch_timeout if timeout is None else timeout
         ):
-            delivery = _delivery(msg, self.bus)
+            delivery = _delivery(msg, self.bus, self)
             event = await self._decode_or_reject(msg, delivery)
             if event is not None:
                 out.append((event, delivery))
         return out
 
     async def handle(self, msg: Msg, handler: Handler[T]) -> None:
-        delivery = _delivery(msg, self.bus)
+        delivery = _delivery(msg, self.bus, self)
         remote = trace.get_current_span(delivery.context).get_span_context()
         with self._tracer.start_as_current_span(
             f"handle {msg.subject}",
@@ -333,7 +435,9 @@ class Consumer(Generic[T]):
             await delivery.ack()
 
     async def run(self, handler: Handler[T], stop: asyncio.Event) -> None:
-        """Fetch and handle messages until ``stop`` is set."""
+        """Fetch and handle messages until ``stop`` is set; each is settled before the next
+        fetch, so what a reconnect lost comes back at once (:meth:`recover_on_reconnect`)."""
+        self.recover_on_reconnect()
         await self.start()
         while not stop.is_set():
             try:

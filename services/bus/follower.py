@@ -12,7 +12,10 @@ does not decode, or that ``on_event`` rejects by raising :class:`~schemas.codec.
 reported with :meth:`Bus.report_invalid` and skipped. Every message, decoded or not, advances
 :attr:`Follower.seq`, which :meth:`wait_for_seq` and :meth:`wait_until_caught_up` wait on.
 
-A stopped follower started again resumes after the last sequence it saw.
+A stopped follower started again resumes after the last sequence it saw. So does one whose
+connection is made again: a restarted server has lost the ordered consumer (nats-py would notice
+only after two missed heartbeats), so on every reconnect the follower subscribes again at once,
+after the last sequence it saw, retrying while JetStream does not answer yet.
 
 A tenant's client follows the same stream names in its own account, where the registry keeps
 its views of its runs' events (:mod:`services.tenants.views`): the code is the same for every
@@ -22,6 +25,7 @@ client.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
@@ -65,8 +69,8 @@ class Follower(Generic[E]):
     ``decode_subjects``, if given, limits decoding to those subjects (a set, or a predicate that
     accepts a subject): messages on other subjects of the filter only advance :attr:`seq`
     (following a whole stream keeps :attr:`seq` comparable with the stream's last sequence while
-    only some subjects matter). Two missed ``heartbeat`` intervals make the consumer start again
-    after :attr:`seq`.
+    only some subjects matter). A reconnect, or two missed ``heartbeat`` intervals, make the
+    consumer start again after :attr:`seq`.
     """
 
     def __init__(
@@ -92,6 +96,10 @@ class Follower(Generic[E]):
         self._seq = 0
         self._changed = asyncio.Condition()
         self._sub: Any = None
+        self._unwatch: Callable[[], None] | None = None
+        self._again: asyncio.Task[None] | None = None
+        self.resubscribed = 0
+        """times the follower subscribed again after a reconnect"""
 
     @property
     def seq(self) -> int:
@@ -123,14 +131,49 @@ class Follower(Generic[E]):
             )
 
         self._sub = await self.bus.until_available(subscribe, f"following {self.subject}")
+        if self._unwatch is None:
+            self._unwatch = self.bus.reconnects.on_reconnect(self._on_reconnect)
 
     async def stop(self) -> None:
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
+        again, self._again = self._again, None
+        if again is not None:
+            again.cancel()
+            await asyncio.gather(again, return_exceptions=True)
+        await self._unsubscribe()
+
+    async def _unsubscribe(self) -> None:
         sub, self._sub = self._sub, None
         if sub is not None and not self.bus.nc.is_closed:
             try:
                 await sub.unsubscribe()
             except Exception as exc:  # the connection may be closing under us
                 log.debug("follower of %s: unsubscribe failed: %s", self.subject, exc)
+
+    def _on_reconnect(self) -> None:
+        if self._again is None or self._again.done():
+            self._again = asyncio.create_task(self._subscribe_again())
+
+    async def _subscribe_again(self) -> None:
+        """Subscribe again after :attr:`seq` (see the module docstring)."""
+        await self._unsubscribe()
+        pause = 0.1
+        while True:
+            try:
+                await self.start()
+                break
+            except Exception as exc:  # JetStream not answering yet: the server is starting
+                if self.bus.nc.is_closed:
+                    return
+                log.debug("follower of %s: subscribing again failed: %s", self.subject, exc)
+                with contextlib.suppress(Exception):
+                    await self._unsubscribe()
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 2.0)
+        self.resubscribed += 1
+        log.debug("follower of %s: subscribed again after #%d", self.subject, self._seq)
 
     async def _on_msg(self, msg: Msg) -> None:
         md = msg.metadata

@@ -25,7 +25,7 @@ from nats.js.errors import APIError
 
 from schemas import subjects as sj
 from services.bus.errors import StorageFull
-from services.bus.retry import TRANSIENT, Hint, pause, stopped_waiting, with_backoff
+from services.bus.retry import TRANSIENT, Hint, Lost, pause, stopped_waiting, with_backoff
 from services.config import env_name
 from services.telemetry.metrics import record_pause
 
@@ -217,13 +217,15 @@ async def durable_write(
     outage_wait: float = 0.0,
     hint: Hint | None = None,
     stop: asyncio.Event | None = None,
+    lost: Lost | None = None,
 ) -> T:
     """A write that must not be lost: transient failures retried ``attempts`` times with
     backoff (:func:`~services.bus.retry.with_backoff`), past them for up to ``outage_wait``
     seconds while JetStream is unavailable (no quorum; a service waits as long as it lasts),
     and the whole of that tried again while the store is full (:func:`wait_while_full`, up to
     ``full_wait`` seconds). ``operation`` raises :class:`StorageFull` for a full store
-    (:func:`full_as_error`). Both waits end once ``stop`` is set (the service is stopping)."""
+    (:func:`full_as_error`). Both waits end once ``stop`` is set (the service is stopping). A
+    try the connection lost (``lost``) is made again at once."""
     return await wait_while_full(
         lambda: with_backoff(
             operation,
@@ -237,6 +239,7 @@ async def durable_write(
             what=what,
             hint=hint,
             stop=stop,
+            lost=lost,
         ),
         what=what,
         full_wait=full_wait,

@@ -12,12 +12,17 @@ long as the servers stay down: every JetStream request goes unanswered, or is re
 the rest; with an ``outage_wait``, :func:`with_backoff` keeps trying them past its ``attempts``
 for that long (a service: for as long as the loss lasts), saying once in the log that it waits
 and why, and once that it resumed.
+
+A try sent on a connection that is then made again (a restarted server) may be lost with it, its
+answer never to come: with ``lost`` (:meth:`services.bus.Bus.lost`), such a try is abandoned at
+the reconnect and made again at once, instead of waiting out its timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -68,6 +73,9 @@ REPORT_AFTER = 2.0
 """Seconds an operation fails with :func:`unavailable` errors before its wait is logged (a
 leader election is usually over sooner and goes unreported)."""
 
+RECHECK_S = 1.0
+"""Seconds between two looks at the servers while a stuck try waits for them to come back."""
+
 STUCK_AFTER = 5.0
 """Seconds one try may go unanswered before the servers are looked at: a request to a stream
 leader that lost its quorum may wait out its whole timeout (30 s for a chunk of an object), so
@@ -86,6 +94,32 @@ class Servers:
 
 Hint = Callable[[], Awaitable[Servers]]
 """Looks at the servers (:meth:`services.bus.Bus.outage_hint`)."""
+
+Lost = Callable[[], Awaitable[None]]
+"""Called as a try starts: completes once the connection the try went out on has been made
+again, the try maybe lost with it (:meth:`services.bus.Bus.lost`)."""
+
+
+class ConnectionLost(Exception):
+    """A try abandoned because the connection it went out on was made again."""
+
+
+async def unless_lost(operation: Callable[[], Awaitable[T]], lost: Lost) -> T:
+    """``await operation()``, or :class:`ConnectionLost` (the try cancelled) if ``lost()``
+    completes first."""
+    task, gone = asyncio.ensure_future(operation()), asyncio.ensure_future(lost())
+    done = False
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        done = task.done()
+    finally:
+        gone.cancel()
+        if not done:
+            task.cancel()
+        await asyncio.gather(task, gone, return_exceptions=True)
+    if not done:
+        raise ConnectionLost
+    return task.result()
 
 
 def unavailable(exc: BaseException) -> bool:
@@ -171,12 +205,12 @@ class _Outage:
             _describe(exc),
         )
 
-    async def report_stuck(self, limit: float) -> None:
-        if self.reported:
-            return
+    async def report_stuck(self, limit: float) -> bool:
+        """Report a try gone unanswered while most servers are unreachable; whether they
+        are (else it is a slow answer: a big object, a busy server, not an outage)."""
         seen = await self.servers()
-        if not seen.quorum_lost:
-            return  # a slow answer (a big object, a busy server), not an outage
+        if self.reported or not seen.quorum_lost:
+            return seen.quorum_lost
         self._reporting()
         log.warning(
             "%s: %s; waiting %s (no answer for %.0fs yet)",
@@ -185,6 +219,7 @@ class _Outage:
             _bound(limit),
             self.lasted,
         )
+        return True
 
     def resumed(self) -> None:
         if self.reported:
@@ -212,14 +247,23 @@ def _bound(limit: float) -> str:
 
 
 async def _watched(
-    operation: Callable[[], Awaitable[T]], stuck: Callable[[], Awaitable[None]]
+    operation: Callable[[], Awaitable[T]],
+    stuck: Callable[[], Awaitable[bool]],
+    hint: Hint,
 ) -> T:
-    """``await operation()``, calling ``stuck()`` once if it takes ``STUCK_AFTER`` seconds."""
+    """``await operation()``, calling ``stuck()`` once if it takes ``STUCK_AFTER`` seconds. If
+    that finds most servers unreachable (the try went to a leader without its quorum, which may
+    not answer before its timeout, 30 s for a chunk of an object), the servers are looked at
+    every :data:`RECHECK_S` seconds, and once they are back the try is abandoned with
+    :class:`ConnectionLost`, to be made again at once."""
     task = asyncio.ensure_future(operation())
     try:
         done, _ = await asyncio.wait({task}, timeout=STUCK_AFTER)
-        if not done:
-            await stuck()
+        if not done and await stuck():
+            while not task.done():
+                await asyncio.wait({task}, timeout=RECHECK_S)
+                if not task.done() and not (await hint()).quorum_lost:
+                    raise ConnectionLost
         return await task
     except BaseException:
         task.cancel()  # cancelled while waiting: the try goes too
@@ -239,6 +283,7 @@ async def with_backoff(
     what: str = "",
     hint: Hint | None = None,
     stop: asyncio.Event | None = None,
+    lost: Lost | None = None,
 ) -> T:
     """``await operation()``, tried up to ``attempts`` times while it raises ``retry_on`` (or a
     JetStream :data:`IN_PROCESS` refusal), pausing ``first_delay`` seconds, then twice as long
@@ -256,27 +301,33 @@ async def with_backoff(
     connection closed for good). ``on_retry(exc, attempt, pause)`` is told of each retry. Once
     ``stop`` is set (the service was asked to stop), a wait for JetStream that has lasted
     :data:`REPORT_AFTER` seconds (an outage, not a leader election) ends at the next failure with
-    :class:`~services.bus.errors.StoppedWaiting` instead of waiting on.
+    :class:`~services.bus.errors.StoppedWaiting` instead of waiting on. With ``lost``, a try the
+    connection lost (see the module docstring) is made again at once, not counted as a failure.
     """
     delay = first_delay
     outage: _Outage | None = None
     attempt = 0
     label = what or "a JetStream operation"
+    tried = operation if lost is None else functools.partial(unless_lost, operation, lost)
     try:
         while True:
             attempt += 1
             started = time.monotonic()
 
-            async def stuck(since: float = started) -> None:
+            async def stuck(since: float = started) -> bool:
                 nonlocal outage
                 outage = outage or _Outage(label, max_delay, hint, since)
-                await outage.report_stuck(outage_wait)
+                return await outage.report_stuck(outage_wait)
 
             try:
                 if outage_wait > 0 and hint is not None:
-                    result = await _watched(operation, stuck)
+                    result = await _watched(tried, stuck, hint)
                 else:
-                    result = await operation()
+                    result = await tried()
+            except ConnectionLost:
+                log.debug("%s: the connection was made again; trying again at once", label)
+                attempt -= 1
+                continue
             except Exception as exc:
                 in_process = isinstance(exc, APIError) and exc.err_code == IN_PROCESS
                 retryable = in_process or isinstance(exc, retry_on)

@@ -20,7 +20,8 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from nats.aio.msg import Msg
 
@@ -28,10 +29,13 @@ from schemas import subjects as sj
 from schemas.codec import DecodeError, decode
 from schemas.events import GenerateCancel, GenerateRequest, GenerateResponse
 from services.bus import Bus
+from services.inference.jobs import DeadlineExceeded
 from services.inference.requests import RequestFailed, failure
 from services.telemetry.metrics import record_generate_dropped
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Overloaded(RequestFailed):
@@ -140,6 +144,34 @@ class Held:
             self.count("overloaded", req.run_id, tenant)
             refusal = failure(req.request_id, req.run_id, str(exc), "overloaded", exc.retry_after_s)
             return refusal, 0
+
+    async def run(
+        self,
+        req: GenerateRequest,
+        tenant: str,
+        bound: HttpBound,
+        generate: Callable[[], Awaitable[T]],
+    ) -> T | GenerateResponse:
+        """``generate()`` for ``req``, held here while it runs (so a GenerateCancel finds it);
+        the answer instead when it is refused at arrival, cancelled or past its deadline."""
+        refused, tokens = self.admit(req, tenant, bound)
+        if refused is not None:
+            return refused
+        work = asyncio.ensure_future(generate())
+        self.add(tenant, req.request_id, work)
+        try:
+            return await work
+        except asyncio.CancelledError:
+            if work not in self.cancelled:
+                raise  # the replica is stopping
+            self.count("cancelled", req.run_id, tenant)
+            return failure(req.request_id, req.run_id, "cancelled by its requester", "cancelled")
+        except DeadlineExceeded as exc:
+            self.count("deadline", req.run_id, tenant)
+            return failure(req.request_id, req.run_id, str(exc), "deadline_exceeded")
+        finally:
+            self.discard(tenant, req.request_id, work)
+            bound.give_back(req, tokens)
 
     async def on_cancel(self, msg: Msg) -> None:
         """A GenerateCancel: stop the request it names, if the subject's tenant sent it here."""

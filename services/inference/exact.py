@@ -22,8 +22,10 @@ from typing import Any
 
 from schemas.events import GenerateRequest, WeightsReady
 from services.bus import Bus
-from services.inference.jobs import Engine
+from services.inference.jobs import Engine, JobResult, job_of
+from services.inference.progress import ProgressBeacon
 from services.inference.requests import RequestFailed
+from services.model.routing import NO_ADAPTER
 from services.weights.announcements import announced
 from services.weights.loader import WeightsError
 
@@ -79,3 +81,24 @@ class ExactVersions:
         if pinned is None:
             raise RequestFailed(f"{run_id}@{version}: this replica cannot keep a snapshot now")
         return pinned
+
+
+async def base_generation(
+    engine: Engine,
+    replica: str,
+    req: GenerateRequest,
+    tenant: str,
+    seed: int,
+    beacon: ProgressBeacon | None,
+) -> JobResult:
+    """The base model's completions (no adapter, no run): version 0 of every run."""
+    full = engine.full_weights
+    if full is not None:
+        raise RequestFailed(
+            f"inference replica {replica} cannot serve the base model: its base "
+            f"model carries the full weights of {full.run_id} (trained with --full-weights); "
+            "send base-model requests to replicas that do not follow a full-weights trainer"
+        )
+    if beacon is not None:
+        beacon.state = "generating"
+    return await engine.generate(job_of(req, NO_ADAPTER, seed, tenant))

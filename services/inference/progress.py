@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from types import TracebackType
+from typing import TypeVar
 
 from nats.aio.client import Client as NATS
 
 from schemas.codec import Format, content_type, encode
 from schemas.events import GenerateProgress, GenerateRequest, ProgressState
-from services.inference.requests import REPLICA_HEADER
+from services.inference.requests import REPLICA_HEADER, request_format
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +29,18 @@ log = logging.getLogger(__name__)
 class ProgressBeacon:
     """Publishes GenerateProgress for one request while the ``async with`` block runs.
 
-    ``state`` starts as ``waiting_for_version``; assigning another sends a message at once.
+    ``state`` starts as given (``waiting_for_version``); assigning another sends a message at
+    once.
     """
 
-    def __init__(self, nc: NATS, req: GenerateRequest, replica: str, fmt: Format) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        req: GenerateRequest,
+        replica: str,
+        fmt: Format,
+        state: ProgressState = "waiting_for_version",
+    ) -> None:
         assert req.progress_subject is not None
         self.nc = nc
         self.subject = req.progress_subject
@@ -40,7 +50,7 @@ class ProgressBeacon:
         self.replica = replica
         self.fmt = fmt
         self.sent = 0
-        self._state: ProgressState = "waiting_for_version"
+        self._state: ProgressState = state
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -89,3 +99,22 @@ class ProgressBeacon:
                 await asyncio.wait_for(self._wake.wait(), self.every)
             except TimeoutError:
                 pass
+
+
+T = TypeVar("T")
+
+
+async def beaconed(
+    nc: NATS,
+    req: GenerateRequest,
+    replica: str,
+    headers: dict[str, str],
+    generate: Callable[[GenerateRequest, str, ProgressBeacon | None], Awaitable[T]],
+    tenant: str,
+) -> T:
+    """``generate(req, tenant, beacon)``, with a :class:`ProgressBeacon` speaking for it while
+    it runs when the request names a progress subject (None when it does not)."""
+    if req.progress_subject is None:
+        return await generate(req, tenant, None)
+    async with ProgressBeacon(nc, req, replica, request_format(headers)) as beacon:
+        return await generate(req, tenant, beacon)

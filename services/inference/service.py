@@ -19,20 +19,21 @@
 - With ``weight_transport="collective"`` the replica joins the trainer's broadcast group at
   start-up (a :class:`~services.weights.collective.CollectiveReceiver`, leaving it on stop) and
   receives the adapters that WeightsReady events of transport ``collective`` name through it.
-- A request waits, up to its ``timeout_s``, until the engine can serve at least its
-  ``min_policy_version``; the reply says which version generated it. Anything wrong with a
-  request gets an error reply; a malformed one is also reported as InvalidMessage on
-  ``plexrl.errors.<service>``. Nothing a request holds can stop the service.
-- A request naming a ``progress_subject`` (an inbox of its tenant; any other subject is
-  refused as malformed) hears GenerateProgress there while it waits for its version and while
-  it generates, until its reply is sent (:class:`~services.inference.progress.ProgressBeacon`).
-- Load (admission.py, schedule.py): HTTP sampling past the replica's bound is refused at once;
-  a request past its ``deadline`` or cancelled is dropped; rollouts are scheduled first.
+- A request waits, up to its ``timeout_s``, until the engine can serve its
+  ``min_policy_version``; the reply says which version generated it. A bad request gets an error
+  reply (a malformed one is also reported on ``plexrl.errors.<service>``); nothing a request
+  holds can stop the service.
+- A request naming a ``progress_subject`` (an inbox of its tenant) hears GenerateProgress there
+  until its reply is sent (progress.py). A copy of a request (sent again after a reconnect) is
+  generated once (answers.py). Load (admission.py, schedule.py): HTTP sampling past the
+  replica's bound is refused at once; a request past its deadline or cancelled is dropped;
+  rollouts are scheduled first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -48,7 +49,8 @@ from schemas.events import GenerateRequest, GenerateResponse, WeightsReady
 from schemas.tenant import DEFAULT_TENANT
 from services.bus import Bus, flushed, tracing
 from services.inference.admission import Held, HttpBound, past_deadline, wait_limit
-from services.inference.exact import ExactVersions
+from services.inference.answers import Answers, request_key
+from services.inference.exact import ExactVersions, base_generation
 from services.inference.jobs import (
     DeadlineExceeded,
     Engine,
@@ -57,7 +59,7 @@ from services.inference.jobs import (
     SlotChanged,
     job_of,
 )
-from services.inference.progress import ProgressBeacon
+from services.inference.progress import ProgressBeacon, beaconed
 from services.inference.requests import (
     RequestFailed,
     WrongTenant,
@@ -126,6 +128,8 @@ class InferenceService:
         self.exact = ExactVersions(bus, engine, self.follower.load)
         self.served: Counter[str] = Counter()
         """Requests answered with completions, per run."""
+        self.answers = Answers()
+        """one generation per request, however often it arrives"""
         self.errors = 0
         self.ignored_versions = 0
         """Announced adapters not newer than what the run already had."""
@@ -248,6 +252,7 @@ class InferenceService:
 
     def _on_run_deleted(self, idx: int, run_id: str) -> None:
         self.engine.remove_run(idx, run_id)
+        self.answers.forget(run_id)
         self._unservable.pop(run_id, None)
         self._held.pop(run_id, None)
 
@@ -365,21 +370,37 @@ class InferenceService:
         span.set_attribute("run_id", req.run_id)
         span.set_attribute("request_id", req.request_id)
         span.set_attribute("tenant", tenant)
-        refused, tokens = self.held.admit(req, tenant, self.http_bound)
-        if refused is not None:
-            return refused
-        work = asyncio.ensure_future(self._generate_held(req, tenant, headers))
-        self.held.add(tenant, req.request_id, work)
+        fmt = request_format(headers)
+
+        def progress() -> ProgressBeacon | contextlib.nullcontext[None]:  # a copy's, meanwhile
+            if req.progress_subject is None:
+                return contextlib.nullcontext()
+            return ProgressBeacon(self.bus.nc, req, self.replica_name, fmt, "generating")
+
+        return await self.answers.answer(
+            request_key(tenant, req),
+            lambda: self._respond(req, tenant, subject, data, span, headers),
+            progress,
+        )
+
+    async def _respond(
+        self,
+        req: GenerateRequest,
+        tenant: str,
+        subject: str,
+        data: bytes,
+        span: Span,
+        headers: dict[str, str],
+    ) -> GenerateResponse:
         try:
-            slot, result = await work
-        except asyncio.CancelledError:
-            if work not in self.held.cancelled:
-                raise  # this replica is stopping
-            self.held.count("cancelled", req.run_id, tenant)
-            return failure(req.request_id, req.run_id, "cancelled by its requester", "cancelled")
-        except DeadlineExceeded as exc:
-            self.held.count("deadline", req.run_id, tenant)
-            return failure(req.request_id, req.run_id, str(exc), "deadline_exceeded")
+            held = await self.held.run(
+                req,
+                tenant,
+                self.http_bound,
+                lambda: beaconed(
+                    self.bus.nc, req, self.replica_name, headers, self._generate, tenant
+                ),
+            )
         except WrongTenant as exc:
             log.warning("refused a generate request on %s: %s", subject, exc)
             await self.bus.report_invalid(subject, str(exc), data)
@@ -389,9 +410,9 @@ class InferenceService:
         except Exception as exc:  # a failing batch answers its requests, it never kills us
             log.exception("generation failed for %s", req.request_id)
             return failure(req.request_id, req.run_id, f"generation failed: {exc}")
-        finally:
-            self.held.discard(tenant, req.request_id, work)
-            self.http_bound.give_back(req, tokens)
+        if isinstance(held, GenerateResponse):
+            return held  # refused at arrival, cancelled, or past its deadline
+        slot, result = held
         self.served[req.run_id] += 1
         span.set_attribute("idx", slot)
         span.set_attribute("policy_version", result.policy_version)
@@ -403,15 +424,6 @@ class InferenceService:
             completions=result.completions,
             prompt_logprobs=result.prompt_logprobs,
         )
-
-    async def _generate_held(
-        self, req: GenerateRequest, tenant: str, headers: dict[str, str]
-    ) -> tuple[int, JobResult]:
-        if req.progress_subject is None:
-            return await self._generate(req, tenant, None)
-        beacon = ProgressBeacon(self.bus.nc, req, self.replica_name, request_format(headers))
-        async with beacon:
-            return await self._generate(req, tenant, beacon)
 
     async def _generate(
         self, req: GenerateRequest, tenant: str, beacon: ProgressBeacon | None
@@ -427,7 +439,9 @@ class InferenceService:
                     "again (another replica can serve it)"
                 )
             if req.base_model:
-                return NO_ADAPTER, await self._generate_base(req, tenant, seed, beacon)
+                return NO_ADAPTER, await base_generation(
+                    self.engine, self.replica_name, req, tenant, seed, beacon
+                )
             slot = await self._slot_of(req.run_id)
             if slot is None:
                 raise RequestFailed(
@@ -476,21 +490,6 @@ class InferenceService:
                 await asyncio.wait_for(changed.wait(), remaining)
             except TimeoutError:
                 pass
-
-    async def _generate_base(
-        self, req: GenerateRequest, tenant: str, seed: int, beacon: ProgressBeacon | None
-    ) -> JobResult:
-        """The base model's completions (no adapter, no run): version 0 of every run."""
-        full = self.engine.full_weights
-        if full is not None:
-            raise RequestFailed(
-                f"inference replica {self.replica_name} cannot serve the base model: its base "
-                f"model carries the full weights of {full.run_id} (trained with --full-weights); "
-                "send base-model requests to replicas that do not follow a full-weights trainer"
-            )
-        if beacon is not None:
-            beacon.state = "generating"
-        return await self.engine.generate(job_of(req, NO_ADAPTER, seed, tenant))
 
     async def _reply(self, msg: Msg, response: GenerateResponse, headers: dict[str, str]) -> None:
         try:

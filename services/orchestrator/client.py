@@ -16,8 +16,10 @@ exponential backoff capped at ``max_backoff``, whenever
   names a fresh inbox as the request's ``progress_subject`` (see :mod:`.liveness`); once a
   replica has sent progress there, ``3 * progress_every_s + 2`` seconds without any means it
   died with the request (a SIGKILL, a lost host), and the request is sent again at once, with
-  no backoff, instead of after the attempt's ``timeout``. A replica that sends no progress
-  (one older than the field) is waited for exactly as before.
+  no backoff, instead of after the attempt's ``timeout``. Once this client has heard progress
+  from any replica, so does an attempt that hears none at all within that time (its replica
+  died before it said a word). Until then a replica that sends no progress (one older than the
+  field) is waited for exactly as before.
 
 Any other error reply is final and raises :class:`GenerationError`. Each retry is logged with
 the request id and the reason: at warning level once per reason every ``warn_every`` seconds
@@ -174,6 +176,7 @@ class GenerateClient:
             timeout=self.timeout,
             every=self.progress_every_s,
             on_progress=self._count_progress,
+            expect=self.progress_received > 0,
         )
 
     def _count_progress(self) -> None:

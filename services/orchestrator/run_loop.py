@@ -36,7 +36,6 @@ Each step is one trace: the span "orchestrator step" (attributes ``run_id``, ``s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable
@@ -404,10 +403,33 @@ async def _race(work: Awaitable[T], interrupt: Awaitable[Any]) -> tuple[bool, T 
         await asyncio.wait({task, other}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         other.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await _cancelled(task)
     if task.cancelled():
         return False, None
     return True, task.result()
+
+
+CANCEL_AGAIN_S = 1.0
+"""seconds a cancelled task may go on before it is cancelled again"""
+
+
+async def _cancelled(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` (unless it is done) and return once it has ended.
+
+    A cancellation can be lost: Python 3.11's ``asyncio.wait_for`` returns the result instead
+    of raising CancelledError when the future it waits for completes in the same turn of the
+    event loop as the cancellation (fixed in 3.12). nats-py awaits every reply that way, so
+    under load the cancellation of a step whose run was evicted was lost now and then, and the
+    step went on retrying requests of a run that no longer exists, for ever. So the task is
+    cancelled again while it goes on; a cancellation of the caller meanwhile is raised once the
+    task has ended.
+    """
+    interrupted = False
+    while not task.done():
+        task.cancel()
+        try:
+            await asyncio.wait({task}, timeout=CANCEL_AGAIN_S)
+        except asyncio.CancelledError:
+            interrupted = True
+    if interrupted:
+        raise asyncio.CancelledError

@@ -185,7 +185,9 @@ class Ingest:
         if msg_id is not None:
             stored["Nats-Msg-Id"] = msg_id
         try:
-            ack = await self.bus.nc.request(target, msg.data, timeout=5.0, headers=stored)
+            # sent again if the connection is made again meanwhile: the message id dedupes it
+            what = f"registry: storing {tenant}'s {where.kind}"
+            ack = await self.bus.reconnects.request(target, msg.data, 5.0, stored, what)
         except (NoRespondersError, NatsTimeout):
             raise Refused(503, "JetStream did not store the write in time; retry") from None
         if submitted is not None and b'"error"' not in ack.data:

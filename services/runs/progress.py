@@ -59,6 +59,7 @@ async def write_progress(bus: Bus, run_id: str, progress: Progress) -> int:
         outage_wait=bus.outage_wait,
         hint=bus.outage_hint,
         stop=bus.stopping,
+        lost=bus.reconnects.lost,
     )
 
 

@@ -92,6 +92,7 @@ class ObjectStoreSender:
             outage_wait=self.bus.outage_wait,
             hint=self.bus.outage_hint,
             stop=self.bus.stopping,
+            lost=self.bus.reconnects.lost,
         )
 
     async def stored(self, run_id: str, *, tenant: str = DEFAULT_TENANT) -> set[int]:

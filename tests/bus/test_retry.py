@@ -149,3 +149,37 @@ async def test_a_try_left_unanswered_while_most_servers_are_gone_is_reported_at_
     assert lines[0].startswith("storing X: JetStream has no quorum: only 1 of 3")
     assert "no answer for" in lines[0]
     assert lines[1].startswith("storing X: JetStream answers again: resumed after")
+
+
+async def test_a_stuck_try_is_made_again_once_the_servers_are_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A try to a leader without its quorum may not be answered before its timeout (30 s for a
+    chunk of an object), even after the quorum is back: once the servers are, it is abandoned
+    and made again at once."""
+    monkeypatch.setattr(retry, "STUCK_AFTER", 0.05)
+    monkeypatch.setattr(retry, "RECHECK_S", 0.05)
+    tries, looks = 0, 0
+
+    async def write() -> int:
+        nonlocal tries
+        tries += 1
+        if tries == 1:
+            await asyncio.sleep(3600)  # sent to the leader while it had no quorum
+        return 42
+
+    async def servers() -> Servers:
+        nonlocal looks
+        looks += 1
+        if looks <= 3:
+            return Servers("JetStream has no quorum: only 1 of 3 NATS servers reachable", True)
+        return Servers("JetStream is unavailable (3 of 3 NATS servers reachable ...)", False)
+
+    got = await asyncio.wait_for(
+        with_backoff(
+            write, attempts=1, first_delay=0.01, max_delay=0.01, outage_wait=math.inf,
+            what="storing X", hint=servers,
+        ),
+        30,
+    )  # fmt: skip
+    assert (got, tries) == (42, 2) and looks == 4

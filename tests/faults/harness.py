@@ -5,33 +5,43 @@ services/bus/server.py), then the registry, the trainer, one or two inference re
 orchestrator per run, each as its own ``python -m services ...`` process with its own log under
 ``<root>/logs``. :meth:`System.run` drives the runs to the end while applying a schedule of
 :class:`Fault` s: when a run reaches a step (trained, as the trainer's progress record says, or
-generated, as the orchestrator's ``metrics.jsonl`` says), the target is killed with SIGKILL and,
-after a pause, started again with the same arguments (the nats-server on the same store and
-port). Checks of what the system recorded afterwards live in :mod:`.invariants`.
+generated, as the orchestrator's ``metrics.jsonl`` says; or, ``holding``, the moment after that
+when an inference replica takes one of the run's generate requests), the target is killed with
+SIGKILL and, after a pause, started again with the same arguments (the nats-server on the same
+store and port). Checks of what the system recorded afterwards live in :mod:`.invariants`.
+
+The orchestrators run with their default generate timeout (120 s): a request lost with a
+process or the broker is sent again at once, and a scenario that waited it out would show it in
+its recovery times.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
+from nats.aio.msg import Msg
+
+from schemas.codec import decode
 from schemas.config import OrchConfig, dump_toml
+from schemas.events import GenerateProgress, GenerateResponse
 from schemas.records import Progress
 from schemas.subjects import ROLLOUTS_STREAM
 from services.bus import Bus, EmbeddedNats
+from services.inference.requests import REPLICA_HEADER
 from services.runs.progress import read_progress
 from services.trainer.checkpoint import complete_checkpoints
 
 from .cluster import NatsCluster
 from .procs import Proc, clean_env
+from .timing import LIVENESS_S, RECOVERIES, time_request, time_restart, time_service
 
 MAX_LORA_RANK = 4
-LIVENESS_S = 240.0
-"""A run that makes no progress for this long fails the scenario (a hang, not slowness)."""
 
 
 def run_config(max_steps: int, seed: int) -> OrchConfig:
@@ -53,7 +63,7 @@ def run_config(max_steps: int, seed: int) -> OrchConfig:
     )
 
 
-Trigger = Literal["trained", "generated"]
+Trigger = Literal["trained", "generated", "holding"]
 
 
 @dataclass
@@ -61,7 +71,11 @@ class Fault:
     """SIGKILL ``target`` once ``run`` has ``at_step`` steps ``trigger`` (or, with ``after`` set,
     that many seconds after the previous fault), then start it again ``restart_after`` seconds
     later. Targets: ``trainer``, ``registry``, ``inference-<i>``, ``orchestrator-<run_id>``,
-    ``nats`` (every server), ``nats-<i>`` (one node of a :class:`~.cluster.NatsCluster`)."""
+    ``nats`` (every server), ``nats-<i>`` (one node of a :class:`~.cluster.NatsCluster`).
+
+    ``holding``: once ``run`` has ``at_step`` steps generated, the target dies the moment an
+    inference replica (for an ``inference-<i>`` target, that one) says it took one of the run's
+    generate requests: a request is in flight."""
 
     target: str
     run: str = ""
@@ -77,8 +91,13 @@ class Fault:
     restarted_wall: float | None = None
     """``time.time()`` of the restart, to compare with the services' log lines"""
     killed_at_step: int | None = None
+    signalled: bool = False
+    """SIGKILL sent already (by a ``holding`` trigger, from the progress message)"""
     skipped: bool = False
     """the target (an orchestrator) had finished its run before the trigger came"""
+    answered_first: bool = False
+    """a ``holding`` kill of a replica that had sent its reply already (its progress message
+    reached us late, under load): nothing was lost, so the scenario did not test a recovery"""
 
     def describe(self) -> str:
         if self.crash:
@@ -86,6 +105,8 @@ class Fault:
         when = (
             f"{self.after:.1f}s after the previous fault"
             if self.after is not None
+            else f"when a replica takes a request of {self.run} (from step {self.at_step})"
+            if self.trigger == "holding"
             else f"when {self.run} has {self.at_step} steps {self.trigger}"
         )
         return f"SIGKILL {self.target} {when}, restart {self.restart_after:.1f}s later"
@@ -120,9 +141,16 @@ class System:
         self.trainer_env = trainer_env or {}
         self.bus: Bus | None = None
         self.events: list[str] = []
-        self.recoveries: dict[str, list[float]] = {"trainer": [], "nats": []}
-        """seconds from each restart of the trainer (or the nats-server) to the next step
-        trained past what was already trained (by the checkpoints, or when the server died)"""
+        self.recoveries: dict[str, list[float]] = {k: [] for k in RECOVERIES}
+        """seconds each fault took to recover from, by kind (see :data:`RECOVERIES`)"""
+        self._armed: Fault | None = None
+        self._inboxes: Any = None
+        """while a ``holding`` fault is armed: a subscription to every client's inbox"""
+        self._held: tuple[Fault, str, str] | None = None
+        """a killed replica, and the request it held, until its restart: a reply it sent
+        before the SIGKILL reached it shows that the kill came too late"""
+        self._trained: dict[str, int] = {}
+        """each run's steps trained, as last read (what the runs had when the server died)"""
         self._started = time.monotonic()
         self._timers: list[asyncio.Task[None]] = []
         self._timing: dict[str, asyncio.Task[None]] = {}
@@ -162,10 +190,7 @@ class System:
             path = self.root / f"{run_id}.toml"
             path.write_text(dump_toml(config.to_dict()))
             argv = ["orchestrator", run_id, "--config", str(path), "--model", str(self.model)]
-            self._proc(
-                f"orchestrator-{run_id}",
-                [*argv, "--output-dir", str(self.out), "--request-timeout", "8"],
-            )
+            self._proc(f"orchestrator-{run_id}", [*argv, "--output-dir", str(self.out)])
         self.bus = await Bus.connect(self.nats.url, "faults")
 
     async def stop(self) -> dict[str, int | None]:
@@ -186,9 +211,12 @@ class System:
         if self.bus is None or self.nats.proc is None:
             return None
         try:
-            return await asyncio.wait_for(read_progress(self.bus, run_id), 2.0)
+            found = await asyncio.wait_for(read_progress(self.bus, run_id), 2.0)
         except Exception:
             return None
+        if found is not None:
+            self._trained[run_id] = found.step
+        return found
 
     def generated(self, run_id: str) -> int:
         """Steps the run's orchestrators have finished (lines of its ``metrics.jsonl``)."""
@@ -196,7 +224,7 @@ class System:
         return len(path.read_text().splitlines()) if path.exists() else 0
 
     async def step_of(self, run_id: str, trigger: Trigger) -> int:
-        if trigger == "generated":
+        if trigger in ("generated", "holding"):
             return self.generated(run_id)
         progress = await self.progress(run_id)
         return progress.step if progress is not None else 0
@@ -211,6 +239,58 @@ class System:
 
     # --- faults -------------------------------------------------------------------------------
 
+    async def _arm(self, fault: Fault) -> None:
+        assert self.bus is not None
+        self._armed = fault
+        self._inboxes = await self.bus.nc.subscribe("_INBOX.>", cb=self._on_inbox)
+
+    async def _disarm(self) -> None:
+        sub, self._inboxes, self._armed = self._inboxes, None, None
+        if sub is not None:
+            await sub.unsubscribe()
+
+    async def _on_inbox(self, msg: Msg) -> None:
+        """A message to some client's inbox: a replica's GenerateProgress fires an armed
+        ``holding`` fault at once (a generate request is in flight)."""
+        self._answered_first(msg)
+        fault = self._armed
+        if fault is None:
+            return
+        try:
+            progress = decode(msg.data, GenerateProgress)
+        except Exception:  # a reply, or another inbox's message
+            return
+        target = fault.target
+        if progress.run_id != fault.run or (
+            target.startswith("inference-") and progress.replica != f"replica-{target[10:]}"
+        ):
+            return
+        self._armed = None
+        if target == "nats":
+            self.nats.kill()
+        else:
+            popen = self.procs[target].popen
+            assert popen is not None
+            popen.send_signal(signal.SIGKILL)
+        fault.signalled, fault.killed_at = True, time.monotonic()
+        fault.killed_at_step = self.generated(fault.run)  # the step being generated
+        self._down.add(target)
+        self.log(f"{progress.replica} took {progress.request_id}: SIGKILL {target}")
+        if target.startswith("inference-"):
+            self._held = (fault, progress.replica, progress.request_id)
+
+    def _answered_first(self, msg: Msg) -> None:
+        if self._held is None or (msg.headers or {}).get(REPLICA_HEADER) != self._held[1]:
+            return
+        fault, replica, request_id = self._held
+        try:
+            reply = decode(msg.data, GenerateResponse, (msg.headers or {}).get("Content-Type"))
+        except Exception:  # a progress message
+            return
+        if reply.request_id == request_id:
+            fault.answered_first = True
+            self.log(f"{replica} had answered {request_id} before the SIGKILL: nothing lost")
+
     async def _kill(self, fault: Fault) -> None:
         if fault.crash:
             proc = self.procs[fault.target]
@@ -218,23 +298,31 @@ class System:
             assert code == 137, f"{fault.target} exited with {code}, not at {fault.crash}"
             del proc.env["PLEXRL_FAULT"]
         elif fault.target == "nats":
-            self._at_nats_kill = {r: await self.step_of(r, "trained") for r in self.runs}
+            if fault.signalled:
+                self._at_nats_kill = {r: self._trained.get(r, 0) for r in self.runs}
+            else:
+                self._at_nats_kill = {r: await self.step_of(r, "trained") for r in self.runs}
             self.nats.kill()
         elif self.cluster is not None and fault.target.startswith("nats-"):
             self._node(fault.target).kill()
         else:
-            self.procs[fault.target].kill()
+            self.procs[fault.target].kill(fault.signalled)
         timer = self._timing.get(fault.target)
         if timer is not None and not timer.done():
             timer.cancel()
             self.log(f"{fault.target} killed again before a step was trained: restart not timed")
-        fault.killed_at = time.monotonic()
+        if not fault.signalled:
+            fault.killed_at = time.monotonic()
         self._down.add(fault.target)
         what = (
             f"{fault.target} exited at {fault.crash}" if fault.crash else f"killed {fault.target}"
         )
         at = fault.killed_at_step
         self.log(what + (f" at step {at}" if at is not None else ""))
+        if fault.trigger == "holding" and fault.target.startswith("inference-"):
+            assert at is not None and fault.killed_at is not None
+            timer = asyncio.create_task(time_request(self, fault))
+            self._timers.append(timer)
 
     async def _restart(self, fault: Fault) -> None:
         if fault.target == "nats":
@@ -247,41 +335,22 @@ class System:
         fault.restarted_at, fault.restarted_wall = time.monotonic(), time.time()
         self._down.discard(fault.target)
         self.log(f"restarted {fault.target}")
-        if fault.target in self.recoveries:
+        if self._held is not None and self._held[0] is fault:
+            self._held = None
+            await self._disarm()
+        if fault.target in ("trainer", "nats"):
             if fault.target == "trainer":
                 trained = {r: _newest_checkpoint(self.out, r) for r in self.runs}
                 self.resumed_from = trained
             else:
                 trained = self._at_nats_kill
-            timer = asyncio.create_task(self._time_recovery(fault.target, time.time(), trained))
+            timer = asyncio.create_task(time_restart(self, fault.target, time.time(), trained))
             self._timing[fault.target] = timer
             self._timers.append(timer)
-
-    async def _time_recovery(self, target: str, restarted: float, trained: dict[str, int]) -> None:
-        """Seconds from a restart of ``target`` until training goes on: for the trainer, until
-        it has trained a step of any run past ``trained`` (its checkpoints); for the nats-server,
-        until every run not yet finished has trained a step generated after the restart (with
-        ``max_async_level`` 1, two steps past ``trained``, where it was)."""
-        deadline = time.monotonic() + LIVENESS_S
-        waiting = {r for r in self.runs if trained[r] < self.runs[r].max_steps}
-        if target == "nats":
-            trained = {r: min(s + 2, self.runs[r].max_steps - 1) for r, s in trained.items()}
-        if not waiting:
-            self.log(f"{target} restarted after the last step: no recovery to time")
-            return
-        took = 0.0
-        while waiting and time.monotonic() < deadline:
-            for run_id in sorted(waiting):
-                p = await self.progress(run_id)
-                if p is not None and p.updated_at > restarted and p.step > trained[run_id]:
-                    took = p.updated_at - restarted
-                    self.log(f"after the {target} restart {run_id} trained step {p.step - 1}")
-                    waiting = set() if target == "trainer" else waiting - {run_id}
-            await asyncio.sleep(0.1)
-        if waiting:
-            raise AssertionError(f"no training within {LIVENESS_S:.0f}s of the {target} restart")
-        self.recoveries[target].append(took)
-        self.log(f"recovery after the {target} restart: {took:.1f}s")
+        elif fault.target in self.procs:
+            timer = asyncio.create_task(time_service(self, fault.target))
+            self._timing[fault.target] = timer
+            self._timers.append(timer)
 
     async def run(self, faults: list[Fault], timeout: float = LIVENESS_S) -> None:
         """Drive every run to the end, applying ``faults`` in order (each once its trigger is
@@ -303,12 +372,24 @@ class System:
                 pending[0].skipped = True
                 self.log(f"skipped: {pending.pop(0).target} had finished its run")
                 continue
-            if pending and (pending[0].crash or self._alive(pending[0].target)):
+            if pending and (
+                pending[0].crash or pending[0].signalled or self._alive(pending[0].target)
+            ):
                 fault = pending[0]
                 if fault.crash:
                     ready = self.procs[fault.target].exited() is not None
                 elif fault.after is not None:
                     ready = now - last_fault >= fault.after
+                elif fault.trigger == "holding":
+                    if (
+                        self._armed is None
+                        and not fault.signalled
+                        and await self.step_of(fault.run, "generated") >= fault.at_step
+                    ):
+                        await self._arm(fault)
+                    ready = fault.signalled
+                    if ready and self._held is None:
+                        await self._disarm()
                 else:
                     fault.killed_at_step = await self.step_of(fault.run, fault.trigger)
                     ready = fault.killed_at_step >= fault.at_step
@@ -347,30 +428,6 @@ class System:
             if backlog == (0, 0) or time.monotonic() > deadline:
                 return backlog
             await asyncio.sleep(0.2)
-
-    async def settle(self, faults: list[Fault]) -> None:
-        """After a nats-server crash, let a trainer restart take over the batches whose acks
-        the server lost.
-
-        JetStream confirms an ack (``ack_sync``) before its consumer state is on disk, so a
-        SIGKILL of the server can forget acks it confirmed: those batches are delivered again
-        once ``ack_wait`` (minutes) runs out, or at once to a restarted trainer, which must
-        recognise them as committed and ack them without training them again (the step log,
-        checked afterwards, would show a step trained twice). Without a nats-server fault every
-        batch must be acked already.
-        """
-        held, _ = await self.trainer_backlog(wait=5.0)
-        if held == 0 or not any(f.target == "nats" for f in faults):
-            return
-        self.log(f"{held} batches unacknowledged after a nats-server crash: restarting the trainer")
-        trainer = self.procs["trainer"]
-        assert trainer.stop() == 0, trainer.tail(80)
-        trainer.start()
-        deadline = time.monotonic() + LIVENESS_S
-        while not trainer.ready() and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
-        backlog = await self.trainer_backlog(wait=LIVENESS_S)
-        self.log(f"trainer restarted; its consumer holds {backlog} (unacked, undelivered)")
 
     def _alive(self, target: str) -> bool:
         if target == "nats":

@@ -6,8 +6,9 @@ has every step once, with a policy lag within ``max_async_level``; the newest We
 every weight version still stored names the digest and size of the stored bytes (hashed here
 again); every inference replica loaded each run's versions in increasing order, never an older
 one (a resumed trainer republishes versions a replica may already hold); the trainer holds no
-unacknowledged batch. After the stop: no process of the system is
-left, and no port it listened on is still open.
+unacknowledged batch, not even after a nats-server crash that forgot acks it had confirmed (the
+trainer's consumer gets those back on the reconnect). After the stop: no process of the system
+is left, and no port it listened on is still open.
 """
 
 from __future__ import annotations

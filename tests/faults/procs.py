@@ -47,9 +47,12 @@ class Proc:
             )
         self.pids.append(self.popen.pid)
 
-    def kill(self) -> None:
-        assert self.popen is not None and self.popen.poll() is None, f"{self.name} is not running"
-        self.popen.send_signal(signal.SIGKILL)
+    def kill(self, signalled: bool = False) -> None:
+        """SIGKILL it (``signalled``: it was sent already) and wait for it to end."""
+        assert self.popen is not None, f"{self.name} was never started"
+        if not signalled:
+            assert self.popen.poll() is None, f"{self.name} is not running"
+            self.popen.send_signal(signal.SIGKILL)
         assert self.popen.wait(30) == -signal.SIGKILL
 
     def exited(self) -> int | None:

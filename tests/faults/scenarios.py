@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .harness import Fault, System, run_config
 from .invariants import check_nothing_left, check_recorded, listening_ports
+from .timing import RECOVERIES
 
 RUNS = ("run_a", "run_b")
 
@@ -44,7 +45,6 @@ async def run_scenario(
     try:
         await system.start()
         await system.run(faults)
-        await system.settle(faults)
         assert system.nats.proc is not None
         servers = system.cluster.pids() if system.cluster else [system.nats.proc.pid]
         pids = [*servers, *(pid for p in system.procs.values() for pid in p.pids)]
@@ -66,6 +66,9 @@ async def run_scenario(
             continue
         assert fault.killed_at is not None and fault.restarted_at is not None, fault.describe()
     system.log(f"scenario passed in {seconds:.1f}s")
+    for kind, took in system.recoveries.items():
+        if took:
+            system.log(f"recovery ({RECOVERIES[kind]}): {', '.join(f'{t:.1f}s' for t in took)}")
     return Outcome(system, seconds)
 
 

@@ -3,9 +3,10 @@
 Each scenario starts the system as separate processes on its own nats-server (tests/faults/
 harness.py), trains two short runs, kills one or two processes at steps drawn from a seeded RNG
 (its seed is printed; ``--fault-seed N`` replays it), restarts them with the same arguments, and
-then checks what the system recorded (tests/faults/invariants.py). Recovery after a trainer
-SIGKILL (restart -> next step trained) is printed, not asserted: the liveness timeout is the
-only bound on time.
+then checks what the system recorded (tests/faults/invariants.py). How long each fault took
+to recover from (tests/faults/harness.py, ``RECOVERIES``) is printed, not asserted: the
+liveness timeout is the only bound on time here; tests/faults/test_recovery.py asserts that
+nothing waits out a request's timeout.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from services.trainer.checkpoint import read_step_log
 from .harness import Fault
 from .invariants import replica_loads
 from .scenarios import RUNS, make_system, random_faults, run_scenario
+from .timing import RECOVERIES
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -206,7 +208,7 @@ async def test_soak(
     if soak_seconds <= 0:
         pytest.skip("pass --soak SECONDS to run randomized scenarios for that long")
     deadline = time.monotonic() + soak_seconds
-    rounds, recoveries = 0, {"trainer": [], "nats": []}
+    rounds, recoveries = 0, {kind: [] for kind in RECOVERIES}
     while time.monotonic() < deadline:
         replicas = rng.choice([1, 2])
         faults, trainer_env = random_faults(rng, 16, replicas)
@@ -220,8 +222,8 @@ async def test_soak(
             recoveries[target] += took
         rounds += 1
     print(f"soak: {rounds} scenarios passed")
-    for target, took in recoveries.items():
-        print(f"recovery after a {target} restart: {_seconds(took)}")
+    for kind, took in recoveries.items():
+        print(f"recovery ({RECOVERIES[kind]}): {_seconds(took)}")
 
 
 def _seconds(values: list[float]) -> str:

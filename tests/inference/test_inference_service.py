@@ -90,9 +90,31 @@ async def test_request_reply_at_version_zero(bus: Bus, uid: str, start_replica) 
             assert len(completion.token_ids) == 8
         else:
             assert completion.token_ids[-1] == 2  # <eos>, included
-    again = await _ask(bus, _request(run_id))
+    again = await _ask(bus, _request(run_id, request_id=f"again-{run_id}"))
     assert again.completions == resp.completions  # same seed, same completions
     assert service.served[run_id] == 2
+
+
+async def test_a_request_sent_again_is_generated_once(bus: Bus, uid: str, start_replica) -> None:
+    """A requester sends a request again when it may have been lost (a reconnect, a silent
+    replica): copies of it, concurrent or later, get the one generation's answer; a request
+    that failed is generated anew, and the same request id asking for something else is
+    another request."""
+    service = await start_replica()
+    run_id = f"run_{uid}"
+    early = await _ask(bus, _request(run_id, request_id="copied"))
+    assert early.error is not None and "unknown run" in early.error  # not stored
+    await discover(bus, run_id, idx=0)
+    first, second = await asyncio.gather(
+        _ask(bus, _request(run_id, request_id="copied")),
+        _ask(bus, _request(run_id, request_id="copied", timeout_s=60.0)),
+    )
+    later = await _ask(bus, _request(run_id, request_id="copied"))
+    assert first.error is None and first.completions
+    assert second == first and later == first
+    assert (service.served[run_id], service.answers.copies) == (1, 2)
+    other = await _ask(bus, _request(run_id, request_id="copied", seed=99))
+    assert other.error is None and service.served[run_id] == 2
 
 
 async def test_unknown_run_gets_an_error_naming_it(bus: Bus, uid: str, start_replica) -> None:

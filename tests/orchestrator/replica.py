@@ -78,6 +78,9 @@ class ScriptedReplica:
         self.holds = 0
         """requests to take, announce once on their progress_subject and never answer, as a
         replica killed while holding them would"""
+        self.drops = 0
+        """requests to take and never answer nor announce, as a replica killed the moment it
+        took them would"""
         self._subs: list[Any] = []
 
     async def start(self) -> ScriptedReplica:
@@ -108,6 +111,9 @@ class ScriptedReplica:
     async def _on_request(self, msg: Msg) -> None:
         request: GenerateRequest = decode(msg.data, GenerateRequest)
         self.requests.append(request)
+        if self.drops:
+            self.drops -= 1
+            return
         if self.holds:
             self.holds -= 1
             if request.progress_subject is not None:

@@ -183,6 +183,21 @@ async def test_no_progress_leaves_the_attempt_to_its_timeout(
     assert client.progress_received == 0 and len(replica.requests) == 1
 
 
+async def test_once_replicas_speak_an_attempt_that_hears_nothing_is_left(
+    obus: Bus, replica: ScriptedReplica
+) -> None:
+    """A replica killed the moment it took a request says nothing at all; once this client
+    has heard progress from replicas, that silence is as telling as a silence after progress."""
+    replica.holds = 1  # progress once, then dead: the client learns that replicas speak
+    client = GenerateClient(obus, timeout=600.0, progress_every_s=0.1)
+    await asyncio.wait_for(client.generate(_request()), 60)
+    assert (client.progress_received, client.silent_replicas) == (1, 1)
+    replica.drops = 1
+    response = await asyncio.wait_for(client.generate(_request()), 60)
+    assert response.error is None and client.silent_replicas == 2
+    assert len(replica.requests) == 4 and client.progress_received == 1
+
+
 async def test_progress_off_sends_the_request_as_before(
     obus: Bus, replica: ScriptedReplica
 ) -> None:

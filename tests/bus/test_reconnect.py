@@ -1,0 +1,165 @@
+"""What a reconnect does to the work in flight, against a real nats-server SIGKILLed and started
+again on its own store: a request is sent again and answered, a follower subscribes again, a
+pull consumer gets back a message delivered into the dead connection. Without them each would
+wait out a timeout (the request's, two heartbeats, ``ack_wait``) set here far beyond what the
+test allows: the bound each test waits is the proof that nothing waited it out."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from nats.aio.msg import Msg
+
+from schemas import RunEvicted
+from schemas.codec import decode, encode
+from schemas.events import GenerateRequest, GenerateResponse
+from services.bus import Bus, Consumer, EmbeddedNats, Follower, MessageMeta, flushed
+
+REQUEST_TIMEOUT = 120.0
+"""the orchestrator's default generate timeout: what a lost request used to wait out"""
+HEARTBEAT = 30.0
+"""a follower's idle heartbeat: nats-py notices a lost ordered consumer after two of them"""
+ACK_WAIT = 120.0
+
+
+async def _restart(server: EmbeddedNats, bus: Bus, *, kill: bool = True) -> None:
+    """SIGKILL (or stop) the server, start it again on the same store and port, wait for
+    ``bus`` to reconnect."""
+    before = bus.reconnects.count
+    if kill:
+        server.kill()
+    else:
+        server.stop()
+    await asyncio.sleep(0.5)
+    server.start()
+    deadline = time.monotonic() + 30
+    while bus.reconnects.count == before and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert bus.reconnects.count == before + 1
+
+
+async def test_a_request_lost_with_the_server_is_sent_again_on_the_reconnect(
+    tmp_path: Path,
+) -> None:
+    server = EmbeddedNats(store_dir=tmp_path / "js")
+    server.start()
+    client = await Bus.connect(server.url, "client", provision_streams=False)
+    responder = await Bus.connect(server.url, "responder", provision_streams=False)
+    seen: list[str] = []
+    first = asyncio.Event()
+
+    async def answer(msg: Msg) -> None:
+        request = decode(msg.data, GenerateRequest)
+        seen.append(request.request_id)
+        if len(seen) == 1:
+            first.set()  # the first copy is never answered: its server dies meanwhile
+            return
+        reply = GenerateResponse(
+            request_id=request.request_id, run_id=request.run_id, policy_version=7, completions=[]
+        )
+        await responder.nc.publish(msg.reply, encode(reply))
+
+    await responder.nc.subscribe("test.ask", cb=answer)
+    await flushed(responder.nc)
+    try:
+        ask = GenerateRequest(request_id="req-1", run_id="run_x", prompts=[[1, 2]])
+        started = time.monotonic()
+        reply = asyncio.create_task(
+            client.request("test.ask", ask, GenerateResponse, timeout=REQUEST_TIMEOUT)
+        )
+        await asyncio.wait_for(first.wait(), 10)
+        await _restart(server, client)
+        answered = await asyncio.wait_for(reply, 30)
+        took = time.monotonic() - started
+        print(
+            f"request answered {took:.1f}s after it was first sent (timeout {REQUEST_TIMEOUT:g}s)"
+        )
+        assert (answered.request_id, answered.policy_version) == ("req-1", 7)
+        assert seen == ["req-1", "req-1"]  # the same request, sent once more after the reconnect
+    finally:
+        await client.close()
+        await responder.close()
+        server.close()
+
+
+async def test_a_follower_subscribes_again_on_the_reconnect_not_after_missed_heartbeats(
+    tmp_path: Path, uid: str
+) -> None:
+    server = EmbeddedNats(store_dir=tmp_path / "js")
+    server.start()
+    bus = await Bus.connect(server.url, "test")
+    got: list[int] = []
+
+    def on_event(seq: int, event: RunEvicted, meta: MessageMeta) -> None:
+        got.append(event.idx)
+
+    try:
+        stream, prefix = f"FOLLOW_{uid}", f"follow.{uid}"
+        await bus.js.add_stream(name=stream, subjects=[f"{prefix}.>"])
+        await bus.publish(f"{prefix}.a", RunEvicted(run_id="run_0", idx=0, reason="r"))
+        follower: Follower[RunEvicted] = Follower(
+            bus, stream, f"{prefix}.>", RunEvicted, on_event, heartbeat=HEARTBEAT
+        )
+        await follower.start()
+        await follower.wait_for_seq(1, 5.0)
+        await _restart(server, bus)  # the ordered consumer dies with the server
+        ack = await bus.publish(f"{prefix}.a", RunEvicted(run_id="run_1", idx=1, reason="r"))
+        # two missed heartbeats would be 60 s; the reconnect brings it well before
+        await follower.wait_for_seq(ack.seq, HEARTBEAT / 2)
+        assert got == [0, 1] and follower.resubscribed == 1
+        await follower.stop()
+    finally:
+        await bus.close()
+        server.close()
+
+
+async def test_a_message_delivered_into_a_lost_connection_comes_back_at_once(
+    tmp_path: Path, uid: str
+) -> None:
+    """The server hands a message to the consumer and it never arrives (here another
+    connection takes it in the consumer's name and drops it): after the next reconnect the
+    consumer is made anew from its ack floor and gets it again, instead of after ack_wait; a
+    delivery it held from before the reconnect is stale, and settling it is a no-op."""
+    server = EmbeddedNats(store_dir=tmp_path / "js")
+    server.start()
+    bus = await Bus.connect(server.url, "trainer")
+    thief = await Bus.connect(server.url, "thief", provision_streams=False)
+    stream, subject = f"LOST_{uid}", f"lost.{uid}"
+    try:
+        await bus.js.add_stream(name=stream, subjects=[subject])
+        consumer: Consumer[RunEvicted] = Consumer(
+            bus,
+            stream=stream,
+            durable="worker",
+            filter_subject=subject,
+            event_type=RunEvicted,
+            ack_wait=ACK_WAIT,
+        )
+        held: set[int] = set()
+        consumer.recover_on_reconnect(lambda: held)
+        await consumer.start()
+        for i in range(3):
+            await bus.publish(subject, RunEvicted(run_id=f"run_{i}", idx=i, reason="r"))
+        ((_, kept),) = await consumer.fetch(batch=1, timeout=5.0)
+        held.add(kept.stream_sequence)
+        lost = await thief.js.pull_subscribe(subject, durable="worker", stream=stream)
+        (dropped,) = await lost.fetch(1, timeout=5.0)  # delivered, never to arrive
+        assert dropped.metadata.sequence.stream == 2
+        # stopped, not killed: the server's consumer state, written lazily, says both were
+        # delivered (a SIGKILL may forget either, which the server then delivers again itself)
+        await _restart(server, bus, kill=False)
+        again = await consumer.fetch(batch=8, timeout=5.0)
+        assert [(e.idx, d.stream_sequence) for e, d in again] == [(0, 1), (1, 2), (2, 3)]
+        assert consumer.generation == 1 and kept.stale
+        await kept.ack()  # stale: a no-op, the new delivery of stream sequence 1 acks it
+        for _, delivery in again:
+            await delivery.ack()
+        info = await bus.js.consumer_info(stream, "worker")
+        assert (info.num_ack_pending, info.num_pending, info.ack_floor.stream_seq) == (0, 0, 3)
+        await consumer.close()
+    finally:
+        await bus.close()
+        await thief.close()
+        server.close()
