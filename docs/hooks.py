@@ -1,5 +1,6 @@
 """MkDocs hooks of the plexrl site: the reference pages are written from the code at every
-build (docs/reference.py), so they cannot drift from it."""
+build (docs/reference.py), so they cannot drift from it; the home page is ``README.md`` itself
+and the deployment guide ``deploy/README.md`` itself, their links pointed into the site."""
 
 from __future__ import annotations
 
@@ -25,7 +26,22 @@ def _reference() -> Any:
     return module
 
 
+def home_page() -> str:
+    """``README.md`` with its links into ``docs/`` made relative to the site."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    text = text.replace("](deploy/README.md", "](deploy.md")
+    return text.replace("](docs/", "](")
+
+
+def deploy_page() -> str:
+    """``deploy/README.md`` with its links into ``docs/`` made relative to the site."""
+    text = (ROOT / "deploy" / "README.md").read_text(encoding="utf-8")
+    return text.replace("](../docs/", "](")
+
+
 def on_files(files: Files, config: Any) -> Files:
     for path, write in _reference().PAGES.items():
         files.append(File.generated(config, path, content=write()))
+    files.append(File.generated(config, "index.md", content=home_page()))
+    files.append(File.generated(config, "deploy.md", content=deploy_page()))
     return files

@@ -185,7 +185,7 @@ def events_page() -> str:
         "",
         "Generated from `schemas/subjects.py` and `schemas/events.py` at every build. Subjects",
         "are as the services' account sees them; a tenant's account sees its own slice",
-        "([Tenants and security](../security.md)). The JSON Schemas of every event are in",
+        "([Tenants and security](../tenants.md)). The JSON Schemas of every event are in",
         "`schemas/json/`, the AsyncAPI document in `schemas/asyncapi.yaml`.",
         "",
         "## Subjects",
