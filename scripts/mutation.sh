@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Mutation testing (mutmut) of the modules where a silent error costs most: each is broken on
 # purpose, one small change at a time, and the tests named below must fail on every change. Not
-# part of check.sh (it takes long; see "Mutation score" in README.md for the figures and the time).
+# part of check.sh (it takes long; see "Mutation score" in docs/contributing.md for the figures and the time).
 #
 #   bash scripts/mutation.sh                 # every group below, one after the other
 #   bash scripts/mutation.sh loss commit     # some groups

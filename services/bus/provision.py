@@ -4,8 +4,8 @@ storage limits of the process settings.
 Every service calls :func:`provision` at start-up; a second call changes nothing. An existing
 stream whose settings differ is updated in place (subjects and limits), never recreated, so no
 message is lost. Limits come from :class:`~services.config.ProcessSettings`
-(``PLEXRL_*_MAX_BYTES``, ``PLEXRL_*_MAX_AGE_S``); the README's "Storage limits" says what each
-one bounds and why. Two rules keep an existing deployment working:
+(``PLEXRL_*_MAX_BYTES``, ``PLEXRL_*_MAX_AGE_S``); docs/transports.md, "Storage limits", says
+what each one bounds and why. Two rules keep an existing deployment working:
 
 - a byte limit is never set below what a stream already holds (that would refuse every write
   until it shrank): it is applied once the stream holds less, and a warning says so;

@@ -45,7 +45,8 @@ class ProcessSettings(BaseModel):
         "three-server cluster (provisioning raises the count of an existing stream)",
     )
     # Storage limits. Every service applies them at start-up (provisioning updates the streams,
-    # buckets and stores), so give every service the same values. README: "Storage limits".
+    # buckets and stores), so give every service the same values (docs/transports.md, "Storage
+    # limits").
     runs_max_bytes: ByteSize = Field(
         ByteSize(256 * MiB),
         ge=0,

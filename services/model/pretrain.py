@@ -18,8 +18,9 @@ gives it on nearly every prompt of the string tasks, or every prompt with a carr
 while sampling at temperature 1 finds the right answer about a third of the time. Lowering the
 temperature makes the base worse, so the best the base does on held-out prompts is its sampled
 reward, and a run that learns to finish the word (or its last letter) beats it by a wide
-margin (README: the main job). ``add`` is the exception: the tiny model memorises its training
-sums rather than learning to add, so RL has no rule to sharpen there (README says so).
+margin (docs/getting-started.md). ``add`` is the exception: the tiny model memorises its
+training sums rather than learning to add, so RL has no rule to sharpen there (the same page
+says so).
 
 Optionally (``noise`` > 0, off by default) the last ``noisy_fraction`` of the steps train only
 the read-out (the last block's MLP and the final norm) on answers whose characters are replaced

@@ -98,7 +98,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     except (SettingsError, ConfigError) as exc:
         return fail("sweep", exc)
     if settings.sweep_name is None:
-        return fail("sweep", f"{args.config} has no [sweep] table; see README.md, Sweeps")
+        return fail("sweep", f"{args.config} has no [sweep] table; see docs/runs.md, Sweeps")
     output_dir = (settings.output_dir or Path("outputs") / f"sweep-{settings.sweep_name}").resolve()
     report_dir = (args.report_dir or output_dir / f"sweep-{settings.sweep_name}").resolve()
     return run_service(

@@ -4,6 +4,7 @@ setting's description and its page changes; a setting without one fails the buil
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 from typing import Any
 
@@ -61,3 +62,14 @@ def test_the_events_and_cli_pages_cover_every_subject_event_and_command() -> Non
         assert f"## `plexrl {command}`" in cli
     assert "### `plexrl tenants add`" in cli and "--rotate-key" in cli
     assert len(COMMAND_MODULES) >= 10
+
+
+def test_the_readme_is_a_front_page_that_keeps_the_two_commands() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) < 300
+    assert "bash scripts/bootstrap.sh && .venv/bin/plexrl up\n" in readme
+    assert "\nbash scripts/check.sh\n" in readme
+    # every page it links to is a page of the site
+    for page in re.findall(r"\]\(docs/([\w./-]+\.md)", readme):
+        generated = page.startswith("reference/")
+        assert generated or (REPO / "docs" / page).is_file(), page

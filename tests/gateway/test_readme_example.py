@@ -1,4 +1,5 @@
-"""The README's "Tinker and OpenAI APIs" examples run as printed, against a real gateway."""
+"""The documented examples run as printed, against a real gateway: the Tinker SDK and OpenAI
+examples of the APIs page (docs/apis.md) and the README's "Drive it with the Tinker SDK"."""
 
 from __future__ import annotations
 
@@ -12,20 +13,33 @@ from gateway_support import REPO
 pytestmark = pytest.mark.timeout(300)
 
 
-def _examples() -> list[str]:
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    section = readme.split("## Tinker and OpenAI APIs", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
+def _examples(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
 
 
-def test_the_readme_examples_run(stack) -> None:
-    tinker_example, openai_example = _examples()
+def _run(example: str, url: str) -> list[str]:
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        exec(tinker_example.replace("http://127.0.0.1:8000", stack.url), {})
-        exec(openai_example.replace("http://127.0.0.1:8000", stack.url), {})
-    lines = printed.getvalue().splitlines()
+        exec(example.replace("http://127.0.0.1:8000", url), {})
+    return printed.getvalue().splitlines()
+
+
+def test_the_api_pages_examples_run(stack) -> None:
+    page = (REPO / "docs" / "apis.md").read_text(encoding="utf-8")
+    tinker_example, openai_example = _examples(page)[:2]
+    lines = _run(tinker_example, stack.url) + _run(openai_example, stack.url)
     losses = [float(line.split()[1]) for line in lines[:5]]
     assert [int(line.split()[0]) for line in lines[:5]] == [0, 1, 2, 3, 4]
     assert losses[-1] < losses[0], lines
     assert any(line.startswith("OpenAI model name: run_tk_") for line in lines), lines
+
+
+def test_the_readmes_example_runs(stack) -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Drive it with the Tinker SDK", 1)[1].split("\n## ", 1)[0]
+    (example,) = _examples(section)
+    lines = _run(example, stack.url)
+    losses = [float(line.split()[1]) for line in lines[:3]]
+    assert [int(line.split()[0]) for line in lines[:3]] == [0, 1, 2], lines
+    assert losses[-1] < losses[0], lines
+    assert lines[3].startswith("[") and lines[3].endswith("]"), lines
