@@ -64,14 +64,24 @@ async def test_trainer_and_broker_killed_together_resume_seconds_after_the_broke
 async def test_broker_killed_mid_generation_resumes_seconds_after_its_return(
     tmp_path: Path, tiny_model: Path, rng: random.Random
 ) -> None:
-    run = rng.choice(RUNS)
-    fault = Fault("nats", run=run, at_step=rng.randint(2, 5), trigger="holding", restart_after=3.0)
-    system = _system(tmp_path, tiny_model)
-    await run_scenario(system, [fault])
-    (took,) = system.recoveries["nats"]
-    print(f"steps resumed {took:.1f}s after the broker's return")
-    assert took < REQUEST_TIMEOUT / 2, system.events
-    assert _said(system, run, RESENT)
+    """The broker dies while a replica holds a request and comes back 3 s later: the request
+    (or its reply) died with it, and the orchestrator sends it again on the reconnect. A tiny
+    model's reply can get out before the SIGKILL that the replica's progress message set off
+    (this process, on busy cores, reads the message late); then nothing was lost, nothing is
+    sent again, and the scenario is made again. Every attempt must recover in seconds."""
+    for attempt in range(3):
+        run = rng.choice(RUNS)
+        fault = Fault(
+            "nats", run=run, at_step=rng.randint(2, 5), trigger="holding", restart_after=3.0
+        )
+        system = _system(tmp_path / f"try{attempt}", tiny_model)
+        await run_scenario(system, [fault])
+        (took,) = system.recoveries["nats"]
+        print(f"steps resumed {took:.1f}s after the broker's return")
+        assert took < REQUEST_TIMEOUT / 2, system.events
+        if _said(system, run, RESENT):
+            break
+    assert _said(system, run, RESENT), "every kill came after the request's reply"
 
 
 async def test_replica_killed_mid_request_the_other_answers_within_seconds(
