@@ -110,9 +110,10 @@ class Answers:
                 self._done.popitem(last=False)
         return response
 
-    def forget(self, run_id: str) -> None:
-        """The run was removed: its answers are no longer given."""
-        for key in [k for k in self._done if k[1] == run_id]:
+    def forget(self, run_id: str | None = None) -> None:
+        """The run was removed (None: the base model's parameters were written, which changes
+        what every run would be answered): its answers are no longer given."""
+        for key in [k for k in self._done if run_id is None or k[1] == run_id]:
             del self._done[key]
 
     def _expire(self) -> None:

@@ -296,6 +296,7 @@ class InferenceService:
 
     async def _install_full(self, event: WeightsReady, load: LoadInto) -> None:
         if self.mirror.idx_of(event.run_id) is not None:  # None: removed while the event waited
+            self.answers.forget()  # whatever it was answered from is being overwritten
             self._installed(event, await self.engine.install_full(event, load))
 
     def _installed(self, event: WeightsReady, installed: bool) -> None:
