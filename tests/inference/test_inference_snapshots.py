@@ -67,7 +67,8 @@ async def test_a_pinned_version_is_served_after_the_run_moves_on(
     # version 3 is pinned from the slot; with one snapshot slot it replaces version 1
     assert (await _ask(bus, msgspec_replace(at[3], exact_version=True))).policy_version == 3
     assert service.engine.snapshots.dropped == [(run_id, 1)]
-    dropped = await _ask(bus, msgspec_replace(at[1], exact_version=True))
+    # a new request (a copy of one answered already, same id and asks, gets the same answer)
+    dropped = await _ask(bus, msgspec_replace(at[1], exact_version=True, request_id="after"))
     assert dropped.error is not None and f"{run_id}@1 cannot be sampled any more" in dropped.error
 
 
