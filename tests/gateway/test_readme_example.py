@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+from typing import Any
 
 import pytest
+import tinker
 from gateway_support import REPO
 
 pytestmark = pytest.mark.timeout(300)
@@ -18,9 +20,16 @@ def _examples(text: str) -> list[str]:
 
 
 def _run(example: str, url: str) -> list[str]:
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        exec(example.replace("http://127.0.0.1:8000", url), {})
+    """What ``example`` prints; then its Tinker sessions are closed, as leaving the user's
+    program would end them, so its runs give their slots back to the other tests at once."""
+    printed, namespace = io.StringIO(), dict[str, Any]()
+    try:
+        with contextlib.redirect_stdout(printed):
+            exec(example.replace("http://127.0.0.1:8000", url), namespace)
+    finally:
+        for value in namespace.values():
+            if isinstance(value, tinker.ServiceClient):
+                value.close("success").result()
     return printed.getvalue().splitlines()
 
 
