@@ -27,7 +27,7 @@ fi
 "$VENV/bin/pip" install --quiet "torch==2.13.0" "$COOKBOOK"
 "$VENV/bin/pip" show tinker-cookbook transformers tinker | grep -E "^(Name|Version)"
 
-WORK=${1:-$(mktemp -d /tmp/plexrl-cookbook.XXXXXX)}
+WORK=${1:-$(mktemp -d -t plexrl-cookbook.XXXXXX)}
 mkdir -p "$WORK"
 NAME=Qwen/Qwen3-8B-Base
 .venv/bin/plexrl model tiny "$WORK/model" >/dev/null
