@@ -2,7 +2,8 @@
 # Run pytest on the given tests N times in a row while as many busy processes as there are cores
 # keep every core loaded, the way a loaded CI machine is; stop at the first failure and keep
 # every run's log and temporary directories (services' logs) under LOGS (default
-# $TMPDIR/plexrl-loop, else /tmp/plexrl-loop). What found the fault suite's and the evictions' rare failures:
+# $TMPDIR/plexrl-loop, else /tmp/plexrl-loop). What found the fault suite's and the
+# evictions' rare failures:
 #
 #   scripts/loop_under_load.sh 10 tests/faults
 #   PLEXRL_EVICTION_ROUNDS=50 scripts/loop_under_load.sh 1 tests/orchestrator/test_eviction_load.py
