@@ -13,11 +13,13 @@ says what was wrong; each API renders it in its own error shape.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import re
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -139,29 +141,13 @@ class Backend:
 
     async def runs(self) -> list[RunRow]:
         """The runs this tenant may see, from the registry."""
-        try:
+        with _registry_errors():
             return await list_runs(self.bus, self.tenant, timeout=5.0)
-        except (NatsTimeout, NoRespondersError) as exc:
-            raise GatewayError(
-                503,
-                "no registry answers the run list; is `plexrl registry` running?",
-                "unavailable",
-            ) from exc
-        except RunListFailed as exc:
-            raise GatewayError(502, str(exc), "registry_error") from exc
 
     async def run(self, run_id: str) -> RunRow | None:
         """``run_id``'s row, from the run table this gateway follows (run_table.py)."""
-        try:
+        with _registry_errors():
             return await self.table.row(run_id)
-        except (NatsTimeout, NoRespondersError) as exc:
-            raise GatewayError(
-                503,
-                "no registry answers the run list; is `plexrl registry` running?",
-                "unavailable",
-            ) from exc
-        except RunListFailed as exc:
-            raise GatewayError(502, str(exc), "registry_error") from exc
 
     async def listed_run(self, run_id: str) -> RunRow | None:
         """``run_id``'s row as the registry lists it now (its progress included)."""
@@ -485,3 +471,16 @@ def commands_config(config: dict[str, Any]) -> dict[str, Any]:
     if "driver" in OrchConfig.model_fields:
         return {**config, "driver": "commands"}
     return config
+
+
+@contextlib.contextmanager
+def _registry_errors() -> Iterator[None]:
+    """The registry's run list failing, as the gateway answers it."""
+    try:
+        yield
+    except (NatsTimeout, NoRespondersError) as exc:
+        raise GatewayError(
+            503, "no registry answers the run list; is `plexrl registry` running?", "unavailable"
+        ) from exc
+    except RunListFailed as exc:
+        raise GatewayError(502, str(exc), "registry_error") from exc
