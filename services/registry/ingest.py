@@ -51,7 +51,7 @@ from schemas.ingest import (
 )
 from schemas.records import RunRecord
 from services.bus import Bus, flushed
-from services.registry.tenancy import foreign_owner, quota_refusal, unknown_tenant
+from services.registry.tenancy import foreign_owner, gets_index, quota_refusal, unknown_tenant
 from services.tenants.views import ViewsUnavailable, ensure_views
 
 if TYPE_CHECKING:
@@ -245,13 +245,7 @@ class Ingest:
         stale = time.monotonic() - self._views_checked.get(tenant, -VIEWS_FRESH_S) >= VIEWS_FRESH_S
         if stale and not await self.ensure_views(tenant):
             raise Refused(503, f"the views of tenant {tenant} cannot be kept yet; retry")
-        quota = reg.tenants.quota(tenant)
-        mine = [r for r in records if r.tenant == tenant]
-        starts = (
-            reg.pool.num_free > sum(r.status == "active" for r in pending.values())
-            and not any(r.status == "waiting" for r in mine)
-            and (quota.max_runs is None or sum(r.status == "active" for r in mine) < quota.max_runs)
-        )
+        starts = gets_index(tenant, reg.tenants, records, num_free)
         return RunRecord(
             run_id=run_id,
             status="active" if starts else "waiting",

@@ -90,19 +90,25 @@ def quota_refusal(
             f"{config.group_size})"
         )
     if quota.max_waiting is not None:
-        active = waiting = 0
-        for rec in records:
-            if rec.tenant == tenant:
-                active += rec.status == "active"
-                waiting += rec.status == "waiting"
-        # A free index the tenant may take goes to this run at once, unless the tenant's own
-        # older waiting runs are ahead of it (they would have it already if they could).
-        gets_index = (
-            num_free > 0 and not waiting and (quota.max_runs is None or active < quota.max_runs)
-        )
-        if not gets_index and waiting >= quota.max_waiting:
+        waiting = sum(r.tenant == tenant and r.status == "waiting" for r in records)
+        if not gets_index(tenant, tenants, records, num_free) and waiting >= quota.max_waiting:
             return (
                 f"tenant {tenant} quota max_waiting = {quota.max_waiting}: {waiting} of its runs "
                 "already wait for an index; evict one or wait until one starts"
             )
     return None
+
+
+def gets_index(
+    tenant: str, tenants: TenantsFile, records: Iterable[RunRecord], num_free: int
+) -> bool:
+    """Whether a new run of ``tenant`` would take a free index at once: there is one, the
+    tenant is under its ``max_runs``, and none of its own older runs waits (they would have it
+    already if they could)."""
+    quota = tenants.quota(tenant)
+    active = waiting = 0
+    for rec in records:
+        if rec.tenant == tenant:
+            active += rec.status == "active"
+            waiting += rec.status == "waiting"
+    return num_free > 0 and not waiting and (quota.max_runs is None or active < quota.max_runs)
