@@ -37,27 +37,18 @@ KEEP_S = 300.0
 Key = tuple[str, str, str, str]
 
 
+NOT_ASKED = frozenset(
+    {"request_id", "run_id", "timeout_s", "progress_subject", "progress_every_s", "deadline"}
+)
+"""GenerateRequest fields a copy may change without asking for something else (the rest, a
+field added later included, are part of what a request asks for)"""
+
+
 def request_key(tenant: str, req: GenerateRequest) -> Key:
     """What makes two requests the same request (see the module docstring)."""
-    asks = msgspec.json.encode(
-        [
-            req.prompts,
-            req.n,
-            req.max_tokens,
-            req.temperature,
-            req.top_p,
-            req.min_policy_version,
-            req.seed,
-            req.prompt_logprobs,
-            req.top_logprobs,
-            req.top_k,
-            req.ignore_eos,
-            req.exact_version,
-            req.base_model,
-            req.source,
-        ]
-    )
-    return tenant, req.run_id, req.request_id, hashlib.blake2b(asks, digest_size=16).hexdigest()
+    asks = {k: v for k, v in msgspec.structs.asdict(req).items() if k not in NOT_ASKED}
+    digest = hashlib.blake2b(msgspec.json.encode(asks), digest_size=16).hexdigest()
+    return tenant, req.run_id, req.request_id, digest
 
 
 class Answers:
