@@ -31,13 +31,21 @@ from victim_support import (
     acme_state,
     eventually,
     evict,
+    rows,
     status_of,
     submit,
     train_step,
 )
 
 from schemas import subjects as sj
-from schemas.events import RolloutBatch, Sample
+from schemas.codec import decode, encode
+from schemas.events import (
+    GenerateCancel,
+    GenerateRequest,
+    GenerateResponse,
+    RolloutBatch,
+    Sample,
+)
 from services.bus import Bus, flushed
 from services.tenants.accounts import SERVICES_JS_PREFIX, object_store_stream
 from services.tenants.credentials import SERVICES
@@ -280,10 +288,16 @@ async def test_message_ids_of_acme_published_first_by_globex_drop_nothing_of_acm
     )
     ack = await acme.publish(sj.tenant_rollouts_subject(run_id, ACME), batch, msg_id=ids[1])
     assert not ack.duplicate
+    # trained (so nothing of this run changes after the test: the next test's "before")
+    await eventually(lambda: _trained(acme, run_id))
     await evict(acme, ACME, run_id)
     await eventually(lambda: _is(acme, run_id, "evicted"))  # its RunEvicted was stored
     evicted = await acme.js.get_last_msg(sj.RUNS_STREAM, sj.runs_subject("evicted", ACME))
     assert run_id.encode() in (evicted.data or b"")
+
+
+async def _trained(acme: Bus, run_id: str) -> bool:
+    return (await rows(acme, ACME)).get(run_id, (None, 0))[1] == 1
 
 
 def _rollouts_config() -> dict:
@@ -343,7 +357,10 @@ async def test_globexs_push_consumers_and_replies_deliver_nothing_to_acme(
     async def keep(msg: Msg) -> None:
         heard.append(msg)
 
-    for subject in (sj.runs_subject("invalid", ACME), "_INBOX_acme.>", "plexrl.runs.acme.>"):
+    # acme's inboxes that globex aims at (all of `_INBOX_acme.>` also carries the replies to
+    # requests that acme's own clients, the gateway among them, make meanwhile)
+    targets = ("_INBOX_acme.forged", "_INBOX_acme.stolen")
+    for subject in (sj.runs_subject("invalid", ACME), *targets, "plexrl.runs.acme.>"):
         await acme.nc.subscribe(subject, cb=keep)
     await flushed(acme.nc)
     with contextlib.suppress(APIError):  # refused once its quotas are full: then it has runs
@@ -369,7 +386,47 @@ async def test_globexs_push_consumers_and_replies_deliver_nothing_to_acme(
     await globex.nc.publish(sj.runs_subject("submit", GLOBEX), b"{}", reply="_INBOX_acme.stolen")
     await flushed(globex.nc)
     await asyncio.sleep(2.0)  # time for anything that could arrive to arrive
-    assert heard == []
+    assert heard == [], [(m.subject, m.data[:300]) for m in heard]
+    await assert_unchanged(before, acme, services)
+
+
+async def test_globexs_cancels_stop_none_of_acmes_generations(
+    globex: Bus, acme: Bus, services: Bus, before: AcmeState
+) -> None:
+    # acme's generate request is in flight while globex, knowing its request id, sends
+    # GenerateCancel for it on every cancel subject it can name, again and again
+    request_id = f"acme-{uuid.uuid4().hex[:8]}"
+    req = GenerateRequest(
+        request_id=request_id,
+        run_id=VICTIM_RUN,
+        prompts=[[1, 5, 6, 7]],
+        n=8,
+        max_tokens=64,
+        ignore_eos=True,
+        timeout_s=60.0,
+    )
+
+    async def ask() -> Msg:
+        for _ in range(600):  # the replica may still be starting when this test runs first
+            with contextlib.suppress(NoRespondersError):
+                return await acme.nc.request(sj.generate_subject(ACME), encode(req), 60.0)
+            await asyncio.sleep(0.1)
+        raise AssertionError("no inference replica answered")
+
+    asking = asyncio.create_task(ask())
+    forged = encode(GenerateCancel(request_id=request_id, reason="forged"))
+    subjects = (sj.generate_subject(GLOBEX, "cancel"), sj.generate_subject(ACME, "cancel"))
+    sent = 0
+    while not asking.done():
+        for subject in (*subjects, sj.CANCEL):
+            with contextlib.suppress(Exception):  # a subject it may not name is its own loss
+                await globex.nc.publish(subject, forged)
+                sent += 1
+        await asyncio.sleep(0.005)
+    assert sent > 0
+    reply: GenerateResponse = decode(asking.result().data, GenerateResponse)
+    assert reply.error is None and reply.error_code is None, reply.error
+    assert [len(c.token_ids) for c in reply.completions[0]] == [64] * 8
     await assert_unchanged(before, acme, services)
 
 
