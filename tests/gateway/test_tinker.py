@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -13,20 +14,17 @@ import tinker
 from gateway_support import evict_runs
 from tinker import types
 
-from schemas.config import OrchConfig
 from services.model.loader import load_tokenizer
 
 pytestmark = pytest.mark.timeout(300)
 
-needs_commands = pytest.mark.skipif(
-    "driver" not in OrchConfig.model_fields,
-    reason="the trainer does not take training commands in this tree (no run config `driver`)",
-)
-
 
 @pytest.fixture(scope="module")
-def service(stack) -> tinker.ServiceClient:
-    return tinker.ServiceClient(base_url=stack.url, api_key="tml-plexrl-test")
+def service(stack) -> Iterator[tinker.ServiceClient]:
+    """One Tinker session for the module, ended when it is done: its runs give their slots
+    back to the stack's other tests at once, not when the session expires."""
+    with tinker.ServiceClient(base_url=stack.url, api_key="tml-plexrl-test") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +143,6 @@ def test_unknown_base_model_and_unsupported_routes(service, stack) -> None:
     assert bad.status_code == 400 and "not a ForwardBackwardRequest" in bad.json()["detail"]
 
 
-@needs_commands
 def test_supervised_steps_lower_the_loss_on_a_fixed_batch(service, tok) -> None:
     trainer = service.create_lora_training_client(base_model="tiny-base", rank=8).result()
     batch = [_sft_datum(tok, w, w[::-1]) for w in ("abc", "hello", "xyz", "plexrl")]
@@ -162,7 +159,6 @@ def test_supervised_steps_lower_the_loss_on_a_fixed_batch(service, tok) -> None:
     assert losses[-1] < 0.9 * losses[0], losses
 
 
-@needs_commands
 def test_sampling_saved_weights_matches_the_trainers_forward(service, tok, stack) -> None:
     trainer = service.create_lora_training_client(base_model="tiny-base", rank=8).result()
     batch = [_sft_datum(tok, "abc", "cba")]
@@ -191,7 +187,6 @@ def test_sampling_saved_weights_matches_the_trainers_forward(service, tok, stack
     assert trained == pytest.approx(list(seq.logprobs), abs=1e-4)
 
 
-@needs_commands
 @pytest.mark.filterwarnings("ignore:DEPRECATED. TrainingClient.load_state")
 def test_save_and_load_state(service, tok) -> None:
     trainer = service.create_lora_training_client(base_model="tiny-base", rank=4).result()
@@ -219,7 +214,6 @@ def _steps(trainer, batch, n: int) -> list[tinker.ForwardBackwardOutput]:
     return outs
 
 
-@needs_commands
 @pytest.mark.filterwarnings("ignore:DEPRECATED. TrainingClient.load_state")
 def test_two_clients_share_micro_batches_and_match_each_alone(service, tok) -> None:
     batch_a = [_sft_datum(tok, "abc", "cba"), _sft_datum(tok, "hello", "olleh")]
@@ -255,7 +249,6 @@ def test_two_clients_share_micro_batches_and_match_each_alone(service, tok) -> N
     assert max(shared) >= 2.0, shared
 
 
-@needs_commands
 def test_openai_serves_a_tinker_trained_run_with_the_trainers_logprobs(service, tok, stack) -> None:
     import openai
 

@@ -17,12 +17,12 @@ import pytest
 import tinker
 import torch
 from gateway_support import REPO
-from test_tinker import _sft_datum, needs_commands
+from test_tinker import _sft_datum
 from tinker import types
 
 from services.model.loader import load_tokenizer
 
-pytestmark = [pytest.mark.timeout(300), needs_commands]
+pytestmark = pytest.mark.timeout(300)
 KEY = "tml-plexrl-test"
 BATCH = [("abc", "cba"), ("hey", "yeh")]
 

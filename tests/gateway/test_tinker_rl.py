@@ -11,22 +11,27 @@ too little in a few steps for a test to assert that it rises.)"""
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterator
 
 import pytest
 import tinker
 from gateway_support import rl_datum
 from tinker import types
 
-from schemas.config import OrchConfig
 from services.model.loader import load_tokenizer
 
-pytestmark = [
-    pytest.mark.timeout(300),
-    pytest.mark.skipif("driver" not in OrchConfig.model_fields, reason="no training commands"),
-]
+pytestmark = pytest.mark.timeout(300)
 
 PROMPTS = ("abc", "hello")
 GROUP = 8
+
+
+@pytest.fixture(scope="module")
+def service(stack) -> Iterator[tinker.ServiceClient]:
+    """One Tinker session for the module, ended when it is done: its runs give their slots
+    back to the stack's other tests at once, not when the session expires."""
+    with tinker.ServiceClient(base_url=stack.url, api_key="tml-plexrl-test") as s:
+        yield s
 
 
 def reward(text: str) -> float:
@@ -34,9 +39,8 @@ def reward(text: str) -> float:
     return sum(c.islower() for c in text) / len(text) if text else 0.0
 
 
-def test_an_importance_sampling_loop_samples_the_trained_weights(stack) -> None:
+def test_an_importance_sampling_loop_samples_the_trained_weights(service, stack) -> None:
     tok = load_tokenizer(stack.model)
-    service = tinker.ServiceClient(base_url=stack.url, api_key="tml-plexrl-test")
     trainer = service.create_lora_training_client(base_model="tiny-base", rank=8).result()
     adam = types.AdamParams(learning_rate=2e-2)
     means, losses = [], []
@@ -72,13 +76,12 @@ def test_an_importance_sampling_loop_samples_the_trained_weights(stack) -> None:
     assert any(abs(expected) > 0.1 for _, expected in losses), losses  # not a trivial zero
 
 
-def test_a_kl_to_reference_loop_scores_samples_with_a_base_sampler(stack) -> None:
+def test_a_kl_to_reference_loop_scores_samples_with_a_base_sampler(service, stack) -> None:
     """The cookbook's KL penalty: every sampled sequence is scored by a sampler of the base
     model (``compute_logprobs``), and ``kl_t = log pi(x_t) - log pi_ref(x_t)`` is taken off
     each token's advantage. At step 0 the policy is the base (a fresh adapter), so the KL is 0
     to the float rounding; once trained, the policy has moved away from the reference."""
     tok = load_tokenizer(stack.model)
-    service = tinker.ServiceClient(base_url=stack.url, api_key="tml-plexrl-test")
     trainer = service.create_lora_training_client(base_model="tiny-base", rank=8).result()
     reference = service.create_sampling_client(base_model="tiny-base").result()
     prompt = [tok.bos_token_id, *tok.encode("abc", add_special_tokens=False)]

@@ -5,21 +5,25 @@ most likely alternatives come back, and the sampling parameters mean what the SD
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
 import tinker
-from test_tinker import _sft_datum, needs_commands
+from test_tinker import _sft_datum
 from tinker import types
 
 from services.model.loader import load_tokenizer
 
-pytestmark = [pytest.mark.timeout(300), needs_commands]
+pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def service(stack) -> tinker.ServiceClient:
-    return tinker.ServiceClient(base_url=stack.url, api_key="tml-plexrl-test")
+def service(stack) -> Iterator[tinker.ServiceClient]:
+    """One Tinker session for the module, ended when it is done: its runs give their slots
+    back to the stack's other tests at once, not when the session expires."""
+    with tinker.ServiceClient(base_url=stack.url, api_key="tml-plexrl-test") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
