@@ -1,12 +1,14 @@
 """The whole system under SIGKILL: every step of every run trained exactly once, nothing lost.
 
 Each scenario starts the system as separate processes on its own nats-server (tests/faults/
-harness.py), trains two short runs, kills one or two processes at steps drawn from a seeded RNG
-(its seed is printed; ``--fault-seed N`` replays it), restarts them with the same arguments, and
-then checks what the system recorded (tests/faults/invariants.py). How long each fault took
-to recover from (tests/faults/harness.py, ``RECOVERIES``) is printed, not asserted: the
-liveness timeout is the only bound on time here; tests/faults/test_recovery.py asserts that
-nothing waits out a request's timeout.
+harness.py), trains two short runs, and kills one or two processes, restarting each with the
+same arguments, at every one of the scenario's fixed points, one after another in one run of
+the system (so a bug at any of those windows fails every CI run), and at one more point drawn
+from a seeded RNG (its seed is printed; ``--fault-seed N`` replays it); ``--soak SECONDS`` adds
+randomized schedules. Then it checks what the system recorded (tests/faults/invariants.py). How
+long each fault took to recover from (tests/faults/harness.py, ``RECOVERIES``) is printed, not
+asserted: the liveness timeout is the only bound on time here; tests/faults/test_recovery.py
+asserts that nothing waits out a request's timeout.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pytest
 
 from services.trainer.checkpoint import read_step_log
 
-from .harness import Fault
+from .harness import Fault, System, Trigger
 from .invariants import replica_loads
 from .scenarios import RUNS, make_system, random_faults, run_scenario
 from .timing import RECOVERIES
@@ -27,10 +29,59 @@ from .timing import RECOVERIES
 pytestmark = pytest.mark.timeout(600)
 
 STEPS = 12
+CHECKPOINT = 4
+"""the checkpoint interval of the scenarios' runs (tests/faults/harness.py, ``run_config``)"""
 
 
-def _run(rng: random.Random) -> str:
-    return rng.choice(RUNS)
+def _points(rng: random.Random, fixed: tuple[int, ...], lo: int, hi: int) -> list[int]:
+    """The steps a scenario's faults come at: every one of ``fixed``, each run of the suite, and
+    one more drawn from ``lo..hi`` (none of ``fixed``), in step order."""
+    extra = rng.choice([p for p in range(lo, hi + 1) if p not in fixed])
+    return sorted([*fixed, extra])
+
+
+def _kills(
+    rng: random.Random,
+    target: str,
+    run: str,
+    points: list[int],
+    *,
+    trigger: Trigger = "trained",
+    restart: tuple[float, float] = (0.2, 2.0),
+) -> list[Fault]:
+    """SIGKILL ``target`` at each of ``points`` of ``run``, each restart after a seeded delay."""
+    return [
+        Fault(target, run=run, at_step=at, trigger=trigger, restart_after=rng.uniform(*restart))
+        for at in points
+    ]
+
+
+def _recoveries(system: System, target: str) -> str:
+    return ", ".join(f"{t:.1f}s" for t in system.recoveries[target])
+
+
+def _check_resumed_at_checkpoints(system: System) -> None:
+    """Every trainer process trained a run from where the one before it left off, and that is
+    a checkpoint: the step log holds each step once, the processes' steps in the order they
+    started, and each later process's first step of a run is a multiple of the interval (the
+    last one's is the checkpoint it found at its start)."""
+    pids = system.procs["trainer"].pids
+    for run_id in RUNS:
+        owners: list[tuple[int, int]] = []  # (index of the trainer process, step)
+        for record in read_step_log(system.out, run_id):
+            # a kill between a checkpoint and its step log lines leaves them to the restart,
+            # which writes them from the checkpoint (no pid): they are an earlier process's
+            if record.get("recovered"):
+                owners.append((owners[-1][0] if owners else 0, record["step"]))
+            else:
+                owners.append((pids.index(record["pid"]), record["step"]))
+        assert [step for _, step in owners] == list(range(STEPS)), (run_id, owners)
+        assert [i for i, _ in owners] == sorted(i for i, _ in owners), (run_id, owners)
+        firsts = {i: step for i, step in reversed(owners)}
+        assert all(step % CHECKPOINT == 0 for step in firsts.values()), (run_id, owners)
+        last = len(pids) - 1
+        if last in firsts:
+            assert firsts[last] == system.resumed_from[run_id], (run_id, owners)
 
 
 async def test_no_fault(tmp_path: Path, tiny_model: Path) -> None:
@@ -41,25 +92,14 @@ async def test_no_fault(tmp_path: Path, tiny_model: Path) -> None:
 async def test_sigkill_trainer_mid_step(
     tmp_path: Path, tiny_model: Path, rng: random.Random
 ) -> None:
-    # between two checkpoints (interval 4): the restart retrains the steps after the newest
-    # checkpoint from the batches the dead trainer held unacknowledged
-    at = rng.choice([5, 6, 7, 9, 10])
-    fault = Fault("trainer", run=_run(rng), at_step=at, restart_after=rng.uniform(0.2, 2.0))
+    """Before the first checkpoint (the restart starts the run over), just after a checkpoint
+    and just before the next: the restart retrains the steps after the newest checkpoint from
+    the batches the dead trainer held unacknowledged."""
+    faults = _kills(rng, "trainer", "run_a", _points(rng, (2, 5, 7), 1, STEPS - 2))
     system = make_system(tmp_path, tiny_model, steps=STEPS)
-    await run_scenario(system, [fault])
-    # the first trainer committed each run up to a checkpoint, the second resumed exactly there
-    first, second = system.procs["trainer"].pids
-    for run_id in RUNS:
-        resumed = system.resumed_from[run_id]
-        by_pid = {pid: [] for pid in (first, second)}
-        for record in read_step_log(system.out, run_id):
-            # a kill between a checkpoint and its step log lines leaves them to the restart,
-            # which writes them from the checkpoint (no pid): they are the first trainer's steps
-            pid = first if record.get("recovered") else record["pid"]
-            by_pid[pid].append(record["step"])
-        assert by_pid == {first: list(range(resumed)), second: list(range(resumed, STEPS))}
-    (took,) = system.recoveries["trainer"]
-    print(f"trainer recovery (restart -> next step trained): {took:.1f}s")
+    await run_scenario(system, faults)
+    _check_resumed_at_checkpoints(system)
+    print(f"trainer recoveries (restart -> next step trained): {_recoveries(system, 'trainer')}")
 
 
 async def test_sigkill_trainer_every_replica_loads_the_next_versions(
@@ -71,88 +111,81 @@ async def test_sigkill_trainer_every_replica_loads_the_next_versions(
     re-trained bytes that differ are announced again, and each replica ignores a version not
     newer than the one it holds. Either way the versions a replica loads never go back
     (checked for every scenario: it fails when both guards are removed) and each replica loads a
-    version of each run published after the restart. The lag bound holds throughout (every
-    scenario's metrics check)."""
-    at = rng.choice([5, 6, 7])  # leaves steps to train, and versions to load, after the restart
-    fault = Fault("trainer", run=_run(rng), at_step=at, restart_after=rng.uniform(0.2, 2.0))
+    version of each run published after the last restart. The lag bound holds throughout
+    (every scenario's metrics check)."""
+    # each leaves steps to train, and versions to load, after its restart
+    faults = _kills(rng, "trainer", "run_b", _points(rng, (5,), 6, 7))
     system = make_system(tmp_path, tiny_model, steps=STEPS, replicas=2)
-    await run_scenario(system, [fault])
-    assert fault.restarted_wall is not None
+    await run_scenario(system, faults)
+    last = faults[-1]
+    assert last.restarted_wall is not None
     for i in range(2):
         loads = replica_loads(system.procs[f"inference-{i}"].log)
-        # the run the kill waited for is mid-way at the restart; the other may have finished
-        for run_id in [fault.run]:
-            after = [v for t, r, v in loads if r == run_id and t >= fault.restarted_wall]
-            before = [v for t, r, v in loads if r == run_id and t < fault.restarted_wall]
-            assert after, f"inference-{i} loaded no version of {run_id} after the restart: {loads}"
-            assert min(after) > max(before, default=-1), (i, run_id, before, after)
-            assert min(after) > system.resumed_from[run_id], (i, run_id, after)
+        # the run the kills waited for is mid-way at the restart; the other may have finished
+        after = [v for t, r, v in loads if r == last.run and t >= last.restarted_wall]
+        before = [v for t, r, v in loads if r == last.run and t < last.restarted_wall]
+        assert after, f"inference-{i} loaded no version of {last.run} after the restart: {loads}"
+        assert min(after) > max(before, default=-1), (i, last.run, before, after)
+        assert min(after) > system.resumed_from[last.run], (i, last.run, after)
 
 
 async def test_trainer_crash_between_checkpoint_and_step_log(
     tmp_path: Path, tiny_model: Path, rng: random.Random
 ) -> None:
-    """Mid-checkpoint: the trainer dies right after a checkpoint is renamed into place, before
-    the step log, WeightsReady, progress and acks follow (PLEXRL_FAULT ``trainer.checkpoint``)."""
-    run, ckpt = _run(rng), rng.choice([4, 8])
-    spec = f"trainer.checkpoint@{run}:{ckpt - 1}"
-    fault = Fault("trainer", crash=spec, restart_after=rng.uniform(0.2, 2.0))
+    """Mid-checkpoint: the trainer dies right after the first checkpoint is renamed into place,
+    before the step log, WeightsReady, progress and acks follow (PLEXRL_FAULT
+    ``trainer.checkpoint``); then a SIGKILL at a drawn step of the restarted one."""
+    spec = f"trainer.checkpoint@run_a:{CHECKPOINT - 1}"
+    crash = Fault("trainer", crash=spec, restart_after=rng.uniform(0.2, 2.0))
+    later = _kills(rng, "trainer", "run_a", [rng.randint(CHECKPOINT + 1, STEPS - 2)])
     system = make_system(tmp_path, tiny_model, steps=STEPS, trainer_env={"PLEXRL_FAULT": spec})
-    await run_scenario(system, [fault])
+    await run_scenario(system, [crash, *later])
     # the restart found the checkpoint ahead of the log and logged its steps, none twice
-    recovered = [r["step"] for r in read_step_log(system.out, run) if r.get("recovered")]
-    assert recovered == list(range(ckpt - 4, ckpt))
-    (took,) = system.recoveries["trainer"]
-    print(f"trainer recovery (restart -> next step trained): {took:.1f}s")
+    recovered = [r["step"] for r in read_step_log(system.out, "run_a") if r.get("recovered")]
+    assert recovered[:CHECKPOINT] == list(range(CHECKPOINT)), recovered
+    _check_resumed_at_checkpoints(system)
+    print(f"trainer recoveries (restart -> next step trained): {_recoveries(system, 'trainer')}")
 
 
 async def test_sigkill_one_of_two_inference_replicas_mid_generation(
     tmp_path: Path, tiny_model: Path, rng: random.Random
 ) -> None:
-    fault = Fault(
-        f"inference-{rng.randrange(2)}",
-        run=_run(rng),
-        at_step=rng.randint(2, STEPS - 4),
-        trigger="generated",
-        restart_after=rng.uniform(1.0, 4.0),
-    )
-    await run_scenario(make_system(tmp_path, tiny_model, steps=STEPS, replicas=2), [fault])
+    """Each replica once at a fixed step (early, then late), and a drawn one at a drawn step."""
+    points = [(2, 0), (STEPS - 4, 1), (rng.randint(3, STEPS - 5), rng.randrange(2))]
+    faults = [
+        Fault(
+            f"inference-{replica}",
+            run="run_a",
+            at_step=at,
+            trigger="generated",
+            restart_after=rng.uniform(1.0, 4.0),
+        )
+        for at, replica in sorted(points)
+    ]
+    await run_scenario(make_system(tmp_path, tiny_model, steps=STEPS, replicas=2), faults)
 
 
 async def test_sigkill_orchestrator(tmp_path: Path, tiny_model: Path, rng: random.Random) -> None:
-    run = _run(rng)
-    fault = Fault(
-        f"orchestrator-{run}",
-        run=run,
-        at_step=rng.randint(2, STEPS - 3),
-        trigger="generated",
-        restart_after=rng.uniform(0.2, 2.0),
+    faults = _kills(
+        rng, "orchestrator-run_a", "run_a", _points(rng, (2, STEPS - 3), 3, 8), trigger="generated"
     )
-    await run_scenario(make_system(tmp_path, tiny_model, steps=STEPS), [fault])
+    await run_scenario(make_system(tmp_path, tiny_model, steps=STEPS), faults)
 
 
 async def test_sigkill_registry(tmp_path: Path, tiny_model: Path, rng: random.Random) -> None:
-    fault = Fault(
-        "registry",
-        run=_run(rng),
-        at_step=rng.randint(2, STEPS - 3),
-        restart_after=rng.uniform(0.2, 3.0),
+    faults = _kills(
+        rng, "registry", "run_b", _points(rng, (2, STEPS - 3), 3, 8), restart=(0.2, 3.0)
     )
-    await run_scenario(make_system(tmp_path, tiny_model, steps=STEPS), [fault])
+    await run_scenario(make_system(tmp_path, tiny_model, steps=STEPS), faults)
 
 
 async def test_sigkill_nats_server_and_restart_on_the_same_store(
     tmp_path: Path, tiny_model: Path, rng: random.Random
 ) -> None:
-    fault = Fault(
-        "nats",
-        run=_run(rng),
-        at_step=rng.randint(2, STEPS - 3),
-        restart_after=rng.uniform(1.0, 4.0),
-    )
+    faults = _kills(rng, "nats", "run_a", _points(rng, (2, STEPS - 3), 3, 8), restart=(1.0, 4.0))
     system = make_system(tmp_path, tiny_model, steps=STEPS)
-    await run_scenario(system, [fault])
-    print(f"recovery after the nats-server restart: {system.recoveries['nats']}")
+    await run_scenario(system, faults)
+    print(f"recoveries after the nats-server restarts: {_recoveries(system, 'nats')}")
 
 
 @pytest.mark.slow
@@ -161,7 +194,7 @@ async def test_two_faults_at_once_trainer_and_nats(
 ) -> None:
     """The issue's case: the trainer dies, the nats-server dies while it is down, and the
     trainer comes back while the server is still down (it must wait for it)."""
-    trainer = Fault("trainer", run=_run(rng), at_step=rng.randint(5, 8), restart_after=1.0)
+    trainer = Fault("trainer", run="run_a", at_step=6, restart_after=1.0)
     nats = Fault("nats", after=0.3, restart_after=rng.uniform(3.0, 6.0))
     system = make_system(tmp_path, tiny_model, steps=STEPS)
     await run_scenario(system, [trainer, nats])
@@ -172,10 +205,8 @@ async def test_two_faults_at_once_trainer_and_nats(
 async def test_two_faults_at_once_orchestrator_and_inference(
     tmp_path: Path, tiny_model: Path, rng: random.Random
 ) -> None:
-    run = _run(rng)
-    at = rng.randint(3, STEPS - 4)
     faults = [
-        Fault(f"orchestrator-{run}", run=run, at_step=at, trigger="generated", restart_after=1.5),
+        Fault("orchestrator-run_b", run="run_b", at_step=5, trigger="generated", restart_after=1.5),
         Fault(f"inference-{rng.randrange(2)}", after=0.0, restart_after=rng.uniform(0.5, 2.0)),
     ]
     await run_scenario(make_system(tmp_path, tiny_model, steps=STEPS, replicas=2), faults)
@@ -187,16 +218,15 @@ async def test_two_faults_at_once_registry_and_orchestrator(
 ) -> None:
     """The orchestrator comes back while the registry is still down: it finds its run in the
     run table and resumes without the registry's admission."""
-    run = _run(rng)
     faults = [
         Fault(
             "registry",
-            run=run,
-            at_step=rng.randint(3, STEPS - 5),
+            run="run_a",
+            at_step=5,
             trigger="generated",
             restart_after=rng.uniform(4.0, 8.0),
         ),
-        Fault(f"orchestrator-{run}", after=0.0, restart_after=0.5),
+        Fault("orchestrator-run_a", after=0.0, restart_after=0.5),
     ]
     await run_scenario(make_system(tmp_path, tiny_model, steps=STEPS), faults)
 
