@@ -15,6 +15,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from schemas.config import DEFAULT_TARGET_MODULES
+from services.model import lora as lora_module
 from services.model.families import default_target_modules
 from services.model.lora import MultiLoRA, MultiLoRALinear, _grouped_mm_fits, peft_key, preview_keys
 from services.model.routing import AdapterContext
@@ -144,8 +145,46 @@ def test_which_kernel_multiplies_the_segments():
     assert not _grouped_mm_fits(meta_bf16, (8, 16, 8), "auto")
 
 
+@pytest.mark.parametrize(
+    ("capability", "dtype", "fits"),
+    [
+        ((9, 0), torch.bfloat16, True),  # Hopper
+        ((10, 0), torch.bfloat16, True),  # Blackwell
+        ((8, 9), torch.bfloat16, False),  # Ada: no grouped_mm
+        ((9, 0), torch.float32, False),  # bfloat16 only
+    ],
+)
+def test_on_cuda_grouped_mm_needs_bfloat16_and_a_hopper_class_device(
+    monkeypatch, capability, dtype, fits
+):
+    """The CUDA branch, on a machine without one: the operand stands for a tensor on the
+    second GPU (its device, dtype and element size are all the choice reads), and the device's
+    compute capability is the one asked of that device."""
+    asked = []
+
+    def get_device_capability(device=None):
+        asked.append(device)
+        return capability
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", get_device_capability)
+    element = torch.zeros(1, dtype=dtype).element_size()
+    x = SimpleNamespace(device=torch.device("cuda", 1), dtype=dtype, element_size=lambda: element)
+    assert _grouped_mm_fits(x, (8, 16, 8), "auto") is fits
+    assert asked in ([torch.device("cuda", 1)], [])
+    assert bool(asked) is (dtype == torch.bfloat16)
+
+
 @pytest.mark.parametrize("kernel", ["bmm", "grouped_mm"])
-def test_a_layer_without_slot_ids_is_its_base_and_with_them_adds_each_slots_delta(kernel):
+def test_a_layer_without_slot_ids_is_its_base_and_with_them_adds_each_slots_delta(
+    kernel, monkeypatch
+):
+    """Each kernel gives each row its slot's delta, and the kernel asked for is the one that
+    multiplies the segments (both give the same numbers; only their speed tells them apart)."""
+    grouped = []
+    segment_lora = lora_module.SegmentLoRA.apply
+    monkeypatch.setattr(
+        lora_module.SegmentLoRA, "apply", lambda *a: grouped.append(1) or segment_lora(*a)
+    )
     torch.manual_seed(1)
     base = nn.Linear(4, 8)
     layer = MultiLoRALinear(base, n_adapters=2, max_rank=4)
@@ -162,6 +201,35 @@ def test_a_layer_without_slot_ids_is_its_base_and_with_them_adds_each_slots_delt
     torch.testing.assert_close(out[0], base(x[0]) + 1.5 * x[0] @ a1.T @ b1.T)
     assert torch.equal(out[1], base(x[1]))
     torch.testing.assert_close(out[2], base(x[2]) + 1.0 * x[2] @ a0.T @ b0.T)
+    assert len(grouped) == (kernel == "grouped_mm"), grouped
+
+
+def test_the_slots_are_made_on_the_base_layers_device_in_its_dtype():
+    base = nn.Linear(4, 8, device="meta", dtype=torch.bfloat16)
+    layer = MultiLoRALinear(base, n_adapters=2, max_rank=3)
+    for p in [*layer.lora_A, *layer.lora_B]:
+        assert (p.device.type, p.dtype) == ("meta", torch.bfloat16)
+
+
+@pytest.mark.parametrize("kernel", ["bmm", "grouped_mm"])
+def test_a_bfloat16_layer_adds_its_slots_deltas_in_bfloat16_on_either_kernel(kernel):
+    """Operands of one dtype all the way: the slot scales are made in the input's dtype (the
+    grouped kernel refuses a float32 operand beside bfloat16 ones)."""
+    torch.manual_seed(2)
+    base = nn.Linear(8, 16).to(torch.bfloat16)
+    layer = MultiLoRALinear(base, n_adapters=2, max_rank=8)
+    layer.adapter_context.kernel = kernel
+    a, b = torch.randn(8, 8).bfloat16(), torch.randn(16, 8).bfloat16()
+    layer.load_slot(1, a, b)
+    layer.adapter_context.configure_slot(1, 8, 16.0)
+    layer.adapter_context.set_slot_ids([1, -1, 1])
+    x = torch.randn(3, 2, 8, dtype=torch.bfloat16)
+    out = layer(x)
+    assert out.dtype == torch.bfloat16
+    delta = 2.0 * x.float() @ a.float().T @ b.float().T
+    for i, slot in enumerate([1, -1, 1]):
+        expected = base(x[i]).float() + (delta[i] if slot == 1 else 0.0)
+        torch.testing.assert_close(out[i].float(), expected, rtol=3e-2, atol=3e-2)
 
 
 def test_attach_takes_the_familys_targets_and_starts_every_slot_fresh():
