@@ -54,6 +54,34 @@ QUOTA_FLAGS = (
 )
 
 
+ADD_DESCRIPTION = (
+    "Write NAME's quotas into DIR/tenants.toml (flags not given keep their value), "
+    "create DIR/NAME.nk, its nkey seed (mode 0600), unless it exists, and give a new "
+    "tenant its gateway API key, DIR/NAME.key (mode 0600, printed once). Then run "
+    "`plexrl nats-config` and reload the server twice (or restart it)."
+)
+ROTATE_KEY_HELP = (
+    "give the tenant a new API key (the old one stops working once the gateway "
+    "reloads the tenants file)"
+)
+REMOVE_DESCRIPTION = (
+    "Remove NAME from DIR/tenants.toml and delete DIR/NAME.nk and DIR/NAME.key. "
+    "Then run `plexrl nats-config` and reload the server: its credentials stop working then."
+)
+NATS_CONFIG_DESCRIPTION = (
+    "Write a complete nats-server config: listen address, JetStream and payload limit "
+    "(or a base config copied verbatim), the services' account with the services' "
+    "nkey user, one account per tenant (its user, its limits, the imports of its own "
+    "slice) and TLS."
+)
+NATS_MIGRATE_DESCRIPTION = (
+    "Upgrade a deployment made before tenants had NATS accounts: with the nats-server "
+    "stopped, move its JetStream data from the global account ($G) to the services' "
+    "account, keeping every message, sequence number, consumer, KV revision and "
+    "object. Then start the server on the config of `plexrl nats-config`."
+)
+
+
 def register(subparsers: Any) -> None:
     tenants = subparsers.add_parser(
         "tenants",
@@ -65,12 +93,7 @@ def register(subparsers: Any) -> None:
     add = sub.add_parser(
         "add",
         help="add a tenant or change its quotas; create its seed file",
-        description=(
-            "Write NAME's quotas into DIR/tenants.toml (flags not given keep their value), "
-            "create DIR/NAME.nk, its nkey seed (mode 0600), unless it exists, and give a new "
-            "tenant its gateway API key, DIR/NAME.key (mode 0600, printed once). Then run "
-            "`plexrl nats-config` and reload the server twice (or restart it)."
-        ),
+        description=ADD_DESCRIPTION,
     )
     add.add_argument("name", metavar="NAME", help="1-64 letters, digits, '_' or '-'")
     for flag in QUOTA_FLAGS:
@@ -85,8 +108,7 @@ def register(subparsers: Any) -> None:
     add.add_argument(
         "--rotate-key",
         action="store_true",
-        help="give the tenant a new API key (the old one stops working once the gateway "
-        "reloads the tenants file)",
+        help=ROTATE_KEY_HELP,
     )
     _dir_arg(add)
     add.set_defaults(func=_add)
@@ -98,8 +120,7 @@ def register(subparsers: Any) -> None:
     remove = sub.add_parser(
         "remove",
         help="remove a tenant and delete its seed and key files",
-        description="Remove NAME from DIR/tenants.toml and delete DIR/NAME.nk and DIR/NAME.key. "
-        "Then run `plexrl nats-config` and reload the server: its credentials stop working then.",
+        description=REMOVE_DESCRIPTION,
     )
     remove.add_argument("name", metavar="NAME")
     _dir_arg(remove)
@@ -109,12 +130,7 @@ def register(subparsers: Any) -> None:
     conf = subparsers.add_parser(
         "nats-config",
         help="write the nats-server config with the services' and tenants' users",
-        description=(
-            "Write a complete nats-server config: listen address, JetStream and payload limit "
-            "(or a base config copied verbatim), the services' account with the services' "
-            "nkey user, one account per tenant (its user, its limits, the imports of its own "
-            "slice) and TLS."
-        ),
+        description=NATS_CONFIG_DESCRIPTION,
     )
     _dir_arg(conf)
     conf.add_argument(
@@ -152,12 +168,7 @@ def register(subparsers: Any) -> None:
     migrate = subparsers.add_parser(
         "nats-migrate",
         help="move a single-account deployment's streams into the services' account",
-        description=(
-            "Upgrade a deployment made before tenants had NATS accounts: with the nats-server "
-            "stopped, move its JetStream data from the global account ($G) to the services' "
-            "account, keeping every message, sequence number, consumer, KV revision and "
-            "object. Then start the server on the config of `plexrl nats-config`."
-        ),
+        description=NATS_MIGRATE_DESCRIPTION,
     )
     migrate.add_argument(
         "--store-dir",
