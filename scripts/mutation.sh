@@ -27,7 +27,7 @@ GROUPS_TABLE=(
   "commit|services/trainer/commit.py|tests/trainer/test_commit.py"
   "lora|services/model/lora.py|tests/model/test_model_lora_parts.py tests/model/test_model_lora.py tests/model/test_model_peft_io.py"
   "digest|services/weights/digest.py|tests/weights/test_weights_digest.py"
-  "tenants|services/tenants/accounts.py services/tenants/credentials.py services/tenants/nats_config.py services/tenants/views.py services/tenants/migrate.py services/tenants/cli.py|tests/bus/test_auth_cli.py tests/security/test_accounts_config.py tests/security/test_upgrade.py tests/bus/test_follower_tenant.py"
+  "tenants|services/tenants/accounts.py services/tenants/credentials.py services/tenants/nats_config.py services/tenants/views.py services/tenants/migrate.py services/tenants/cli.py|tests/bus/test_auth_cli.py tests/bus/test_tenants_cli_parser.py tests/bus/test_tenants_cli_commands.py tests/security/test_nats_config_render.py tests/security/test_tenant_credentials_views.py tests/security/test_accounts_config.py tests/security/test_upgrade.py tests/bus/test_follower_tenant.py"
   "advantages|services/orchestrator/advantages.py|tests/orchestrator/test_advantages.py"
   "codec|schemas/codec.py|tests/contract/test_codec.py tests/contract/test_examples.py tests/contract/test_compatibility.py tests/contract/test_properties.py"
 )
@@ -54,7 +54,7 @@ for row in "${GROUPS_TABLE[@]}"; do
   rm -rf "$work"
   mkdir -p "$work"
   # The tree as it is now, tracked and new files alike.
-  git ls-files -co --exclude-standard -- schemas services tests pyproject.toml \
+  git ls-files -co --exclude-standard -- schemas services tests deploy pyproject.toml \
     | tar -cf - -T - | tar -xf - -C "$work"
   # shellcheck disable=SC2086
   {
@@ -64,6 +64,8 @@ for row in "${GROUPS_TABLE[@]}"; do
     # every package is copied into mutants/ (the tests import them from there), the group's
     # modules alone are mutated
     echo 'source_paths = ["schemas", "services"]'
+    # files the tests read beside the code (deploy/nats.conf is the base of a generated config)
+    echo 'also_copy = ["deploy"]'
     echo "only_mutate = $(toml_list $modules)"
     echo "pytest_add_cli_args_test_selection = $(toml_list $tests)"
     echo 'pytest_add_cli_args = ["-p", "no:cacheprovider", "-o", "addopts=", "-q"]'
