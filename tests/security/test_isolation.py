@@ -141,6 +141,23 @@ async def test_the_gateway_refuses_every_route_without_a_valid_key(
     await assert_unchanged(before, acme, services)
 
 
+def _forward_backward_proto(run_id: str) -> bytes:
+    """A cross-entropy ``forward_backward`` of one datum on ``run_id``, encoded by the SDK."""
+    from tinker import types
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 5, 6]),
+        loss_fn_inputs={"target_tokens": [5, 6, 2]},
+    )
+    request = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy"),
+        model_id=run_id,
+        seq_id=7,
+    )
+    return bytes(forward_backward_request_to_proto(request).SerializeToString())
+
+
 async def test_another_tenants_key_reaches_none_of_acmes_runs(
     deployment, acme: Bus, services: Bus
 ) -> None:
@@ -193,6 +210,21 @@ async def test_another_tenants_key_reaches_none_of_acmes_runs(
                 assert "error" in outcome, (path, outcome)
             else:
                 assert answer.status_code in (400, 404), (path, answer.text)
+        # forward_backward as the SDK sends it (protobuf, so a 400 would be a decoding error and
+        # prove nothing): refused as another tenant's run, now or as its future's outcome
+        sent = await http.post(
+            "/api/v1/forward_backward",
+            content=_forward_backward_proto(VICTIM_RUN),
+            headers={**mine, "content-type": "application/x-protobuf"},
+        )
+        assert sent.status_code in (200, 404), sent.text
+        if sent.status_code == 200:
+            polled = await http.post(
+                "/api/v1/retrieve_future",
+                json={"request_id": sent.json()["request_id"]},
+                headers=mine,
+            )
+            assert "error" in polled.json(), polled.text
         # acme still gets its own future
         assert (
             await http.post(
