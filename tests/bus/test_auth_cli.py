@@ -25,6 +25,14 @@ def plexrl(*argv: str | Path) -> int:
     return main([str(a) for a in argv])
 
 
+def refusal(capsys: pytest.CaptureFixture[str], command: str) -> str:
+    """The one stderr line of a refused ``plexrl COMMAND``, without its ``plexrl COMMAND: ``."""
+    err = capsys.readouterr().err
+    prefix = f"plexrl {command}: "
+    assert err.startswith(prefix) and err.endswith("\n"), err
+    return err.removeprefix(prefix).rstrip("\n")
+
+
 def snapshot(d: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(d.iterdir())} if d.exists() else {}
 
@@ -93,7 +101,10 @@ def test_add_rejects_bad_input_and_writes_nothing(
 ) -> None:
     d = tmp_path / "auth"
     assert plexrl("tenants", "add", *argv, "--dir", d) == 2
-    assert message in capsys.readouterr().err
+    err = refusal(capsys, "tenants add")
+    assert message in err
+    if "--max-runs" not in argv and "--max-lora-rank" not in argv:
+        assert f"'{argv[0]}'" in err  # the refused name
     assert snapshot(d) == {}
 
 
@@ -112,7 +123,7 @@ def test_add_keeps_everything_when_the_tenants_file_or_a_seed_is_broken(
     (d / "beta.nk").write_text("not a seed\n")
     before = snapshot(d)
     assert plexrl("tenants", "add", "beta", "--dir", d) == 2
-    assert "beta.nk: not an nkey seed" in capsys.readouterr().err
+    assert f"{d / 'beta.nk'}: not an nkey seed" in refusal(capsys, "tenants add")
     assert snapshot(d) == before
 
 

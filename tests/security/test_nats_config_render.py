@@ -295,14 +295,15 @@ def test_the_config_goes_into_new_directories_readable_by_all_and_writable_by_it
     assert "TENANT_acme" in parse(out.read_text())["accounts"]
 
 
-def test_a_base_with_non_ascii_text_is_written_as_utf8_under_an_ascii_locale(
+def test_a_non_ascii_base_is_read_and_written_as_utf8_under_an_ascii_locale(
     tmp_path: Path,
 ) -> None:
     d = _auth(tmp_path)
     base = '# cluster Zürich — étage 3\nlisten: "127.0.0.1:4333"\n'
     (tmp_path / "base.conf").write_text(base, encoding="utf-8")
     out = tmp_path / "nats.conf"
-    # a shell whose locale encodes nothing but ASCII (LC_ALL=C, Python's UTF-8 mode off)
+    # a shell whose locale encodes nothing but ASCII (LC_ALL=C, Python's UTF-8 mode off): the
+    # base is read, and the config written, in UTF-8 all the same
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LC_", "LANG", "PYTHONUTF8"))}
     env |= {"LC_ALL": "C", "PYTHONCOERCECLOCALE": "0"}
     command = [sys.executable, "-X", "utf8=0", "-m", "services", "nats-config", "--dir", str(d)]
