@@ -14,7 +14,9 @@ config (another filter, a push delivery subject, other acknowledgement limits: w
 or a misbehaving client changed) and puts it back to the config the service needs, updating it
 in place or, when the server cannot, making it anew; it logs and reports each such repair.
 
-A consumer that knows what it holds (:meth:`Consumer.recover_on_reconnect`) gets back at once,
+A consumer that counts what its user holds (:meth:`Consumer.recover_on_reconnect`: every delivery
+handed out and not yet settled; an ack, nak or term counts as settled from the moment it is sent,
+so a delivery still in its user's hands after its ack is not counted) gets back at once,
 after a reconnect (or a fetch that failed: the consumer's leader died), the messages a lost
 connection or a restarted server took with it: a message handed to it that never arrived, or one
 whose acknowledgement the server confirmed and then lost when it was killed (it confirms an ack
@@ -30,7 +32,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -77,10 +79,17 @@ class Delivery:
     def stale(self) -> bool:
         return self.consumer is not None and self.generation != self.consumer.generation
 
+    def _settling(self) -> None:
+        """An ack, nak or term of this message is on its way: its consumer stops counting it as
+        held (a server that forgot the ack then shows one more held than the user has)."""
+        if self.consumer is not None and not self.stale:
+            self.consumer._settled(self.stream_sequence)
+
     async def ack(self) -> None:
         """Acknowledge, waiting for the server's confirmation; while JetStream is unavailable
         (the consumer has no leader: a cluster without its quorum) for as long as the bus's
         ``outage_wait`` allows. An ack repeated is harmless."""
+        self._settling()
         if self.bus is None:
             if not self.stale:
                 await self.msg.ack_sync()
@@ -95,10 +104,12 @@ class Delivery:
         await self.bus.until_available(ack, what)
 
     async def nak(self, delay: float | None = None) -> None:
+        self._settling()
         if not self.stale:
             await self.msg.nak(delay=delay)
 
     async def term(self) -> None:
+        self._settling()
         if not self.stale:
             await self.msg.term()
 
@@ -154,7 +165,12 @@ def _delivery(msg: Msg, bus: Bus | None = None, consumer: Consumer[Any] | None =
         pass
     generation = consumer.generation if consumer is not None else 0
     context = tracing.extract(headers)
-    return Delivery(msg, msg.subject, headers, seq, delivered, context, bus, consumer, generation)
+    delivery = Delivery(
+        msg, msg.subject, headers, seq, delivered, context, bus, consumer, generation
+    )
+    if consumer is not None:
+        consumer._handed_out(delivery)
+    return delivery
 
 
 class Consumer(Generic[T]):
@@ -195,7 +211,9 @@ class Consumer(Generic[T]):
         self._tracer = tracing.tracer(f"plexrl.{bus.service}")
         self.generation = 0
         """how many times this consumer was made anew to get back what it lost"""
-        self._holding: Callable[[], Collection[int]] | None = None
+        self._held: dict[int, Delivery] | None = None
+        """stream sequence -> the newest delivery of it handed out and not yet settled; kept
+        once :meth:`recover_on_reconnect` is on"""
         self._lost_check = False
         self._lock = asyncio.Lock()
 
@@ -289,17 +307,30 @@ class Consumer(Generic[T]):
             deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
             opt_start_seq=start,
         )
+        if self._held is not None:
+            self._held.clear()  # every one held comes again, in the next generation
         await self.start()
         return start
 
-    def recover_on_reconnect(self, holding: Callable[[], Collection[int]] = tuple) -> None:
+    def recover_on_reconnect(self) -> None:
         """After every reconnect, get back at once what the lost connection took (see the
-        module docstring). ``holding()`` is the stream sequences of the messages the caller holds
-        unsettled (delivered, not yet acked, nacked or terminated); the consumer must have no
-        other user."""
-        if self._holding is None:
+        module docstring). From now on the consumer counts the deliveries it hands out until
+        each is settled (acked, nacked or terminated); it must have no other user."""
+        if self._held is None:
             self.bus.reconnects.on_reconnect(self._reconnected)
-        self._holding = holding
+            self._held = {}
+
+    def _handed_out(self, delivery: Delivery) -> None:
+        if self._held is not None:
+            self._held[delivery.stream_sequence] = delivery
+
+    def _settled(self, stream_sequence: int) -> None:
+        if self._held is not None:
+            self._held.pop(stream_sequence, None)
+
+    def holding(self) -> set[int]:
+        """The stream sequences delivered and not yet settled (empty when not counting)."""
+        return set(self._held or ())
 
     def _reconnected(self) -> None:
         self._lost_check = True
@@ -307,7 +338,7 @@ class Consumer(Generic[T]):
     async def _recover_lost(self) -> int:
         """Messages the server holds as delivered to this consumer and the caller does not:
         if any, make the consumer anew so that they come again now; how many."""
-        if self.durable is None or self._holding is None:
+        if self.durable is None or self._held is None:
             return 0
         durable = self.durable
         info = await self.bus.until_available(
@@ -315,8 +346,10 @@ class Consumer(Generic[T]):
             f"reading consumer {durable} of {self.stream}",
         )
         delivered = int(info.delivered.stream_seq if info.delivered else 0)
-        # past what the server remembers delivering: it delivers them again by itself
-        ours = {seq for seq in self._holding() if seq <= delivered}
+        # Held (delivered, unsettled) by the user; past what the server remembers delivering
+        # the server delivers again by itself. A settled one is not counted even while its user
+        # still has it (an ack confirmed and then lost with a killed server must show here).
+        ours = {seq for seq in self._held if seq <= delivered}
         lost = int(info.num_ack_pending or 0) - len(ours)
         if lost <= 0:
             return 0
@@ -364,7 +397,7 @@ class Consumer(Generic[T]):
             except Exception:
                 # the consumer has no leader (a server of its cluster died): what that server
                 # was handing over may be lost without this connection being made again
-                self._lost_check = self._holding is not None
+                self._lost_check = self._held is not None
                 raise
         record_queue_depth(self.bus.service, self.durable or self.filter_subject, _pending(msgs))
         return msgs
@@ -373,7 +406,7 @@ class Consumer(Generic[T]):
         try:
             return decode(msg.data, self.event_type, delivery.headers.get("Content-Type"))
         except DecodeError as exc:
-            await msg.term()
+            await delivery.term()
             await self.bus.report_invalid(msg.subject, str(exc), msg.data)
             return None
 
@@ -415,14 +448,14 @@ class Consumer(Generic[T]):
                 await handler(event, delivery)
             except Reject as exc:
                 span.set_status(Status(StatusCode.ERROR, str(exc)))
-                await msg.term()
+                await delivery.term()
                 await self.bus.report_invalid(msg.subject, str(exc), msg.data)
                 return
             except Retry as exc:
                 log.info(
                     "%s: retrying %s in %.1fs: %s", self.bus.service, msg.subject, exc.delay, exc
                 )
-                await msg.nak(delay=exc.delay)
+                await delivery.nak(delay=exc.delay)
                 return
             except Exception as exc:
                 span.record_exception(exc)
@@ -430,7 +463,7 @@ class Consumer(Generic[T]):
                 log.exception(
                     "%s: handler failed on %s; will redeliver", self.bus.service, msg.subject
                 )
-                await msg.nak(delay=min(30.0, 0.5 * delivery.num_delivered))
+                await delivery.nak(delay=min(30.0, 0.5 * delivery.num_delivered))
                 return
             await delivery.ack()
 

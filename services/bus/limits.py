@@ -25,7 +25,16 @@ from nats.js.errors import APIError
 
 from schemas import subjects as sj
 from services.bus.errors import StorageFull
-from services.bus.retry import TRANSIENT, Hint, Lost, pause, stopped_waiting, with_backoff
+from services.bus.retry import (
+    TRANSIENT,
+    ConnectionLost,
+    Hint,
+    Lost,
+    pause,
+    stopped_waiting,
+    unless_lost,
+    with_backoff,
+)
 from services.config import env_name
 from services.telemetry.metrics import record_pause
 
@@ -277,12 +286,29 @@ async def acked_by_all(js: JetStreamContext, stream: str) -> int:
         ]
 
 
-async def purge_consumed(js: JetStreamContext, stream: str, subject: str, newest: int) -> None:
+async def purge_consumed(
+    js: JetStreamContext, stream: str, subject: str, newest: int, *, lost: Lost | None = None
+) -> None:
     """Remove the messages of ``subject`` that every consumer has acknowledged, up to (not
-    including) sequence ``newest``, which stays. Best effort, like :func:`purge_before`."""
-    try:
-        floor = await acked_by_all(js, stream)
-    except (TimeoutError, nats.errors.Error) as exc:
-        log.info("could not read the ack floors of %s: %s", stream, exc)
+    including) sequence ``newest``, which stays. Best effort, like :func:`purge_before`; with
+    ``lost`` (:meth:`services.bus.reconnect.Reconnects.lost`) it is abandoned at a reconnect,
+    when its request or answer may have gone with the old connection, instead of waiting out
+    the request's timeout: the next call purges the same messages."""
+
+    async def purge() -> None:
+        try:
+            floor = await acked_by_all(js, stream)
+        except (TimeoutError, nats.errors.Error) as exc:
+            log.info("could not read the ack floors of %s: %s", stream, exc)
+            return
+        await purge_before(js, stream, subject, min(newest, floor + 1))
+
+    if lost is None:
+        await purge()
         return
-    await purge_before(js, stream, subject, min(newest, floor + 1))
+    try:
+        await unless_lost(purge, lost)
+    except ConnectionLost:
+        log.info(
+            "purge of %s in %s abandoned: the connection was made again meanwhile", subject, stream
+        )

@@ -14,8 +14,8 @@ for that long (a service: for as long as the loss lasts), saying once in the log
 and why, and once that it resumed.
 
 A try sent on a connection that is then made again (a restarted server) may be lost with it, its
-answer never to come: with ``lost`` (:meth:`services.bus.Bus.lost`), such a try is abandoned at
-the reconnect and made again at once, instead of waiting out its timeout.
+answer never to come: with ``lost`` (:meth:`services.bus.reconnect.Reconnects.lost`), such a try
+is abandoned at the reconnect and made again at once, instead of waiting out its timeout.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ Hint = Callable[[], Awaitable[Servers]]
 
 Lost = Callable[[], Awaitable[None]]
 """Called as a try starts: completes once the connection the try went out on has been made
-again, the try maybe lost with it (:meth:`services.bus.Bus.lost`)."""
+again, the try maybe lost with it (:meth:`services.bus.reconnect.Reconnects.lost`)."""
 
 
 class ConnectionLost(Exception):

@@ -211,8 +211,13 @@ class Committer:
             # Only what every consumer acknowledged goes (a batch trained out of order may still
             # wait for its checkpoint); the newest stays, the witness a restarted orchestrator
             # resumes after.
+            # Abandoned at a reconnect, not waited out: the next commit purges the same batches.
             await purge_consumed(
-                self.bus.js, ROLLOUTS_STREAM, newest.msg.subject, newest.stream_sequence
+                self.bus.js,
+                ROLLOUTS_STREAM,
+                newest.msg.subject,
+                newest.stream_sequence,
+                lost=self.bus.reconnects.lost,
             )
 
     async def flush(self, state: RunState) -> None:

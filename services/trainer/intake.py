@@ -245,15 +245,6 @@ class Intake:
                 self.pending.pop(run_id, None)
         return out
 
-    def holding(self) -> set[int]:
-        """The stream sequences of every batch held here (unsettled)."""
-        return {
-            h.delivery.stream_sequence
-            for s in self.pending.values()
-            for f in s.values()
-            for h in f.all()
-        }
-
     def has_trainable(self, runs: Mapping[str, RunSteps]) -> bool:
         """Whether :meth:`select` would return a batch to train right now."""
         for run_id, steps in self.pending.items():

@@ -145,7 +145,7 @@ class Trainer:
             )
             # what a reconnect lost (a batch in flight, acks a killed server forgot) comes
             # back at once, not when ack_wait runs out
-            consumer.recover_on_reconnect(self._holding)
+            consumer.recover_on_reconnect()
         self.commands = CommandRunner(
             model,
             lora,
@@ -356,12 +356,6 @@ class Trainer:
                 await self.committer.finish(state, result, held[slot], report.phases)
             else:
                 await self.committer.refuse(state, result, held[slot])
-
-    def _holding(self) -> set[int]:
-        """Stream sequences of every batch rank 0 holds unacknowledged."""
-        assert self.intake is not None and self.committer is not None
-        held = self.intake.holding() | {h.delivery.stream_sequence for h in self._in_flight}
-        return held | {d.stream_sequence for d in self.committer.deliveries()}
 
     async def _heartbeat(self) -> None:
         """Keep every held, in-flight and uncommitted batch from being redelivered."""

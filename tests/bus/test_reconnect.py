@@ -7,6 +7,8 @@ test allows: the bound each test waits is the proof that nothing waited it out."
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from schemas import RunEvicted
 from schemas.codec import decode, encode
 from schemas.events import GenerateRequest, GenerateResponse
 from services.bus import Bus, Consumer, EmbeddedNats, Follower, MessageMeta, flushed
+from services.bus.limits import purge_consumed
 
 REQUEST_TIMEOUT = 120.0
 """the orchestrator's default generate timeout: what a lost request used to wait out"""
@@ -137,13 +140,12 @@ async def test_a_message_delivered_into_a_lost_connection_comes_back_at_once(
             event_type=RunEvicted,
             ack_wait=ACK_WAIT,
         )
-        held: set[int] = set()
-        consumer.recover_on_reconnect(lambda: held)
+        consumer.recover_on_reconnect()
         await consumer.start()
         for i in range(3):
             await bus.publish(subject, RunEvicted(run_id=f"run_{i}", idx=i, reason="r"))
         ((_, kept),) = await consumer.fetch(batch=1, timeout=5.0)
-        held.add(kept.stream_sequence)
+        assert consumer.holding() == {kept.stream_sequence}
         lost = await thief.js.pull_subscribe(subject, durable="worker", stream=stream)
         (dropped,) = await lost.fetch(1, timeout=5.0)  # delivered, never to arrive
         assert dropped.metadata.sequence.stream == 2
@@ -162,4 +164,93 @@ async def test_a_message_delivered_into_a_lost_connection_comes_back_at_once(
     finally:
         await bus.close()
         await thief.close()
+        server.close()
+
+
+async def test_an_ack_the_restarted_server_forgot_comes_back_while_its_delivery_is_still_held(
+    tmp_path: Path, uid: str
+) -> None:
+    """The user acks a message (the server confirms) and still has the delivery in hand, as the
+    trainer does while it finishes the step; the server then comes back without the ack (here
+    the consumer is made again and handed the message in another connection, as a SIGKILL
+    before the server wrote its state leaves it). The acked delivery is not counted as held, so
+    on the reconnect the message comes again at once, not after ack_wait."""
+    server = EmbeddedNats(store_dir=tmp_path / "js")
+    server.start()
+    bus = await Bus.connect(server.url, "trainer")
+    other = await Bus.connect(server.url, "other", provision_streams=False)
+    stream, subject = f"FORGOT_{uid}", f"forgot.{uid}"
+    try:
+        await bus.js.add_stream(name=stream, subjects=[subject])
+        consumer: Consumer[RunEvicted] = Consumer(
+            bus,
+            stream=stream,
+            durable="worker",
+            filter_subject=subject,
+            event_type=RunEvicted,
+            ack_wait=ACK_WAIT,
+        )
+        consumer.recover_on_reconnect()
+        await consumer.start()
+        for i in range(2):
+            await bus.publish(subject, RunEvicted(run_id=f"run_{i}", idx=i, reason="r"))
+        ((_, in_hand),) = await consumer.fetch(batch=1, timeout=5.0)
+        await in_hand.ack()
+        assert consumer.holding() == set()
+        # the server forgets the ack: the consumer's state from before it, message 1 pending
+        config = (await bus.js.consumer_info(stream, "worker")).config
+        await other.js.delete_consumer(stream, "worker")
+        await other.js.add_consumer(stream, config=config)
+        sub = await other.js.pull_subscribe(subject, durable="worker", stream=stream)
+        (forgotten,) = await sub.fetch(1, timeout=5.0)
+        assert forgotten.metadata.sequence.stream == 1
+        await _restart(server, bus, kill=False)
+        again = await consumer.fetch(batch=8, timeout=5.0)
+        assert [(e.idx, d.stream_sequence) for e, d in again] == [(0, 1), (1, 2)]
+        assert consumer.generation == 1 and consumer.holding() == {1, 2}
+        await in_hand.ack()  # stale: a no-op that leaves the new delivery of 1 counted
+        assert consumer.holding() == {1, 2}
+        for _, delivery in again:
+            await delivery.ack()
+        info = await bus.js.consumer_info(stream, "worker")
+        assert (info.num_ack_pending, info.num_pending, info.ack_floor.stream_seq) == (0, 0, 2)
+        await consumer.close()
+    finally:
+        await bus.close()
+        await other.close()
+        server.close()
+
+
+async def test_a_purge_in_flight_when_the_server_dies_is_abandoned_at_the_reconnect(
+    tmp_path: Path, uid: str
+) -> None:
+    """The trainer's purge of consumed batches is best effort: one whose request went to a
+    server that then died ends at the reconnect (its answer will never come), not when its
+    JetStream timeout (here 120 s) runs out, and the next purge removes the same messages."""
+    server = EmbeddedNats(store_dir=tmp_path / "js")
+    server.start()
+    bus = await Bus.connect(server.url, "trainer")
+    stream, subject = f"PURGE_{uid}", f"purge.{uid}"
+    js = bus.nc.jetstream(timeout=REQUEST_TIMEOUT)
+    try:
+        await bus.js.add_stream(name=stream, subjects=[subject])
+        for i in range(3):
+            await bus.publish(subject, RunEvicted(run_id=f"run_{i}", idx=i, reason="r"))
+        sub = await bus.js.pull_subscribe(subject, durable="trainer", stream=stream)
+        for msg in await sub.fetch(3, timeout=5.0):
+            await msg.ack_sync()
+        await _restart(server, bus, kill=False)  # the acks on disk, to outlive the SIGKILL
+        assert server.proc is not None
+        os.kill(server.proc.pid, signal.SIGSTOP)  # the request goes out, no answer comes
+        purge = asyncio.create_task(
+            purge_consumed(js, stream, subject, newest=3, lost=bus.reconnects.lost)
+        )
+        await asyncio.sleep(0.3)
+        await _restart(server, bus)
+        await asyncio.wait_for(purge, 10.0)  # abandoned at the reconnect
+        assert (await bus.js.stream_info(stream)).state.messages == 3
+        await purge_consumed(js, stream, subject, newest=3, lost=bus.reconnects.lost)
+        assert (await bus.js.stream_info(stream)).state.messages == 1  # the newest stays
+    finally:
+        await bus.close()
         server.close()

@@ -164,8 +164,8 @@ def bench(tmp_path, monkeypatch) -> Bench:
         assert bus.js == "the js"  # the committer's own bus
         log.append(("progress", run_id, p.step, p.total_tokens, p.total_samples, p.tenant))
 
-    async def purge(js: Any, stream: str, subject: str, seq: int) -> None:
-        assert js == "the js"
+    async def purge(js: Any, stream: str, subject: str, seq: int, *, lost: Any) -> None:
+        assert js == "the js" and lost == "lost"
         log.append(("purge", stream, subject, seq))
 
     def checkpoint(out: Path, run_id: str, ckpt: Any, keep: int) -> Path:
@@ -216,7 +216,8 @@ def bench(tmp_path, monkeypatch) -> Bench:
     publisher = FakePublisher(log)
     out = tmp_path / "out"
     committer = Committer(
-        SimpleNamespace(js="the js"),  # type: ignore[arg-type]
+        # the committer's bus: its JetStream and its reconnects (stand-ins the fakes recognise)
+        SimpleNamespace(js="the js", reconnects=SimpleNamespace(lost="lost")),  # type: ignore[arg-type]
         slots,  # type: ignore[arg-type]
         FakeMirror(log, {1}),  # type: ignore[arg-type]
         publisher,  # type: ignore[arg-type]
