@@ -211,9 +211,9 @@ class Consumer(Generic[T]):
         self._tracer = tracing.tracer(f"plexrl.{bus.service}")
         self.generation = 0
         """how many times this consumer was made anew to get back what it lost"""
-        self._held: dict[int, Delivery] | None = None
-        """stream sequence -> the newest delivery of it handed out and not yet settled; kept
-        once :meth:`recover_on_reconnect` is on"""
+        self._held: set[int] | None = None
+        """the stream sequences handed out in deliveries not yet settled; counted once
+        :meth:`recover_on_reconnect` is on"""
         self._lost_check = False
         self._lock = asyncio.Lock()
 
@@ -318,15 +318,15 @@ class Consumer(Generic[T]):
         each is settled (acked, nacked or terminated); it must have no other user."""
         if self._held is None:
             self.bus.reconnects.on_reconnect(self._reconnected)
-            self._held = {}
+            self._held = set()
 
     def _handed_out(self, delivery: Delivery) -> None:
         if self._held is not None:
-            self._held[delivery.stream_sequence] = delivery
+            self._held.add(delivery.stream_sequence)
 
     def _settled(self, stream_sequence: int) -> None:
         if self._held is not None:
-            self._held.pop(stream_sequence, None)
+            self._held.discard(stream_sequence)
 
     def holding(self) -> set[int]:
         """The stream sequences delivered and not yet settled (empty when not counting)."""
