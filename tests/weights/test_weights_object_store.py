@@ -165,3 +165,30 @@ async def test_pieces_are_stored_as_one_object_and_streamed_back_chunk_by_chunk(
             bus, key, chunks.append, expected_digest="sha256:" + "0" * 64
         )
     assert chunks == []
+
+
+async def test_a_listing_from_a_replica_behind_the_leader_is_read_again(
+    bus: Bus, uid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a cluster the listing's consumer may sit on a replica still catching up after a
+    restart. Its first reading here is what such a replica gives (the newest description not
+    there yet: the store before the last write): the listing is read again until it reaches
+    the leader's newest description, so it names the last object and not the deleted one."""
+    old, new = f"{uid}/old", f"{uid}/new"
+    await write_blob(bus, old, b"o")
+    await write_blob(bus, new, b"n")
+    await delete_blob(bus, old)
+    real = object_store._read_descriptions
+    readings: list[int] = []
+
+    async def lagging_first(bus: Bus, bucket: str) -> tuple[list[str], int]:
+        keys, seen = await real(bus, bucket)
+        readings.append(seen)
+        if len(readings) == 1:  # the replica has neither the deletion nor the last write
+            return [k for k in keys if k != new] + [old], seen - 2
+        return keys, seen
+
+    monkeypatch.setattr(object_store, "_read_descriptions", lagging_first)
+    keys = await list_keys(bus)
+    assert new in keys and old not in keys
+    assert len(readings) == 2
