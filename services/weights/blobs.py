@@ -48,12 +48,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import nats.errors
-from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.errors import BucketNotFoundError, NotFoundError, ObjectNotFoundError
 from nats.js.kv import MSG_ROLLUP_SUBJECT
 from nats.js.object_store import (
-    OBJ_ALL_META_PRE_TEMPLATE,
     OBJ_CHUNKS_PRE_TEMPLATE,
     OBJ_DIGEST_TYPE,
     OBJ_META_PRE_TEMPLATE,
@@ -135,62 +133,6 @@ async def delete_blob(bus: Bus, key: str, *, bucket: str = BUCKET) -> None:
     await bus.js.purge_stream(_stream(bucket), subject=_meta_subject(key, bucket))
     if info.nuid:
         await bus.js.purge_stream(_stream(bucket), subject=_chunk_subject(info.nuid, bucket))
-
-
-async def list_keys(bus: Bus, timeout: float = 30.0, *, bucket: str = BUCKET) -> list[str]:
-    """Every key in the store (deleted ones excluded), as of the stream's leader.
-
-    The listing reads the descriptions through an ephemeral consumer, which the server may
-    place on any replica of a clustered store: one still catching up after a restart lists the
-    store as it was. The leader's newest description (a message get, which only the leader
-    answers) tells such a listing apart, and it is read again until it reaches that one."""
-    await _bucket(bus, bucket)  # made on first use
-    stream, descriptions = _stream(bucket), OBJ_ALL_META_PRE_TEMPLATE.format(bucket=bucket)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        try:
-            newest = (await bus.js.get_last_msg(stream, descriptions)).seq or 0
-        except NotFoundError:  # no object was ever stored
-            return []
-        keys, seen = await asyncio.wait_for(_read_descriptions(bus, bucket), timeout)
-        if seen >= newest:
-            return keys
-        if loop.time() >= deadline:
-            raise nats.errors.TimeoutError
-        await asyncio.sleep(0.1)
-
-
-async def _read_descriptions(bus: Bus, bucket: str) -> tuple[list[str], int]:
-    """The live keys in the newest description of each object the consumer's replica holds,
-    and the newest stream sequence among those descriptions."""
-    keys: list[str] = []
-    seen = 0
-    done = asyncio.get_running_loop().create_future()
-
-    async def take(msg: Msg) -> None:
-        nonlocal seen
-        meta = msg.metadata
-        seen = max(seen, meta.sequence.stream if meta.sequence else 0)
-        info = api.ObjectInfo.from_response(json.loads(msg.data))
-        if not info.deleted:
-            keys.append(info.name)
-        if meta.num_pending == 0 and not done.done():
-            done.set_result(None)
-
-    sub = await bus.js.subscribe(
-        OBJ_ALL_META_PRE_TEMPLATE.format(bucket=bucket),
-        stream=_stream(bucket),
-        cb=take,
-        ordered_consumer=True,
-        deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
-    )
-    try:
-        await done
-    finally:
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
-    return keys, seen
 
 
 async def write_blob(

@@ -27,8 +27,9 @@ from schemas.subjects import weights_bucket, weights_object_key
 from schemas.tenant import DEFAULT_TENANT
 from services.bus import Bus
 from services.bus.limits import durable_write
-from services.weights.blobs import BlobError, delete_blob, list_keys, stream_blob, write_blob
+from services.weights.blobs import BlobError, delete_blob, stream_blob, write_blob
 from services.weights.errors import WeightsError
+from services.weights.listing import list_keys
 from services.weights.stream import EncodedStream, StreamDecoder
 from services.weights.transport import SenderOptions, forget_each
 

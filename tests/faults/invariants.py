@@ -23,8 +23,9 @@ from schemas.events import WeightsReady
 from schemas.subjects import WEIGHTS_STREAM, weights_object_key, weights_subject
 from services.bus import Bus
 from services.trainer.checkpoint import complete_checkpoints, read_step_log
-from services.weights.blobs import get_blob, list_keys
+from services.weights.blobs import get_blob
 from services.weights.digest import digest_of
+from services.weights.listing import list_keys
 
 from .harness import System, read_jsonl
 

@@ -149,10 +149,17 @@ async def _ask(bus: Bus, req: GenerateRequest) -> GenerateResponse:
     return await bus.request(sj.GENERATE, req, GenerateResponse, timeout=60)
 
 
+HELD_TOKENS = 200
+
+
 async def test_http_sampling_past_the_bound_is_refused_at_once_and_rollouts_never(
     bus: Bus, uid: str, replica: InferenceService
 ) -> None:
-    held = [asyncio.create_task(_ask(bus, _request(f"{uid}-{i}"))) for i in range(2)]
+    # long enough to be running still when the next request comes, however busy the machine
+    held = [
+        asyncio.create_task(_ask(bus, _request(f"{uid}-{i}", max_tokens=HELD_TOKENS)))
+        for i in range(2)
+    ]
     while replica.http_bound.requests < 2:
         await asyncio.sleep(0.005)
     refused = await _ask(bus, _request(f"{uid}-over", max_tokens=1))
@@ -162,7 +169,7 @@ async def test_http_sampling_past_the_bound_is_refused_at_once_and_rollouts_neve
     assert rollout.error is None and len(rollout.completions[0][0].token_ids) == 1
     # the two held were running all along, and finish
     for answer in await asyncio.gather(*held):
-        assert answer.error is None and len(answer.completions[0][0].token_ids) == 40
+        assert answer.error is None and len(answer.completions[0][0].token_ids) == HELD_TOKENS
     assert (replica.http_bound.requests, replica.http_bound.tokens) == (0, 0)
     assert replica.held.dropped["overloaded"] == 1
 

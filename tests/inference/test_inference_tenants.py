@@ -21,7 +21,7 @@ from schemas.events import (
 )
 from services.bus import Bus
 from services.weights import WeightPublisher
-from services.weights.blobs import list_keys
+from services.weights.listing import list_keys
 
 
 def _request(run_id: str, **kw: Any) -> GenerateRequest:

@@ -224,7 +224,9 @@ async def test_a_tenant_orchestrator_runs_on_its_own_subjects(
     assert [s for s, _ in runs] == ["plexrl.runs.acme.submit", "plexrl.runs.acme.discovered"]
     discovered: RunDiscovered = decode(runs[1][1], RunDiscovered)
     assert (discovered.run_id, discovered.tenant) == (RUN, "acme")
-    assert len(replica.requests) == 3 * 2  # one request per prompt, two prompts per step
+    # one request per prompt, two prompts per step (one the replica answered "version not loaded
+    # yet", as on a busy machine, comes again with the same id)
+    assert len({r.request_id for r in replica.requests}) == 3 * 2
     # max_async_level 0: step n waited for version n, announced on acme's weights subject
     assert sorted({r.min_policy_version for r in replica.requests}) == [0, 1, 2]
 

@@ -19,7 +19,7 @@ from services.bus import Bus
 from services.trainer.service import Trainer, build_model
 from services.trainer.settings import TrainerSettings
 from services.weights import load_weights
-from services.weights.blobs import list_keys
+from services.weights.listing import list_keys
 
 
 async def _announce(bus: Bus, run_id: str, idx: int, tenant: str) -> None:

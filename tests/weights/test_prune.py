@@ -14,7 +14,7 @@ from schemas.events import LoraSpec
 from schemas.subjects import WEIGHTS_STREAM, weights_subject
 from services.bus import Bus, EmbeddedNats, limits, provision
 from services.weights import WeightPublisher, load_weights
-from services.weights.blobs import list_keys
+from services.weights.listing import list_keys
 
 STORE = "OBJ_plexrl-weights"
 

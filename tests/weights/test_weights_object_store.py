@@ -13,6 +13,7 @@ from nats.js.errors import NotFoundError
 
 from services.bus import Bus
 from services.weights import blobs as object_store
+from services.weights import listing
 from services.weights.blobs import (
     CHUNK_SIZE,
     STREAM,
@@ -21,9 +22,9 @@ from services.weights.blobs import (
     _chunk_subject,
     delete_blob,
     get_blob,
-    list_keys,
     write_blob,
 )
+from services.weights.listing import list_keys
 
 
 async def _info(bus: Bus, key: str) -> api.ObjectInfo:
@@ -178,7 +179,7 @@ async def test_a_listing_from_a_replica_behind_the_leader_is_read_again(
     await write_blob(bus, old, b"o")
     await write_blob(bus, new, b"n")
     await delete_blob(bus, old)
-    real = object_store._read_descriptions
+    real = listing._read_descriptions
     readings: list[int] = []
 
     async def lagging_first(bus: Bus, bucket: str) -> tuple[list[str], int]:
@@ -188,7 +189,7 @@ async def test_a_listing_from_a_replica_behind_the_leader_is_read_again(
             return [k for k in keys if k != new] + [old], seen - 2
         return keys, seen
 
-    monkeypatch.setattr(object_store, "_read_descriptions", lagging_first)
+    monkeypatch.setattr(listing, "_read_descriptions", lagging_first)
     keys = await list_keys(bus)
     assert new in keys and old not in keys
     assert len(readings) == 2

@@ -19,8 +19,9 @@ from schemas.subjects import WEIGHTS_STREAM, weights_subject
 from services.bus import Bus
 from services.model.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_peft_dir
 from services.weights import WeightPublisher, WeightsError, load_weights
-from services.weights.blobs import BlobNotFoundError, get_blob, list_keys, write_blob
+from services.weights.blobs import BlobNotFoundError, get_blob, write_blob
 from services.weights.digest import digest_of
+from services.weights.listing import list_keys
 
 
 def _assert_same(loaded: dict[str, torch.Tensor], sent: dict[str, torch.Tensor]) -> None:

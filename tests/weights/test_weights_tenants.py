@@ -12,7 +12,7 @@ from schemas.subjects import WEIGHTS_STREAM
 from schemas.tenant import InvalidTenant
 from services.bus import Bus, EmbeddedNats
 from services.weights import WeightPublisher, WeightsError, load_weights
-from services.weights.blobs import list_keys
+from services.weights.listing import list_keys
 
 
 async def test_a_tenant_runs_weights_live_in_its_own_store_and_are_pruned_there(
