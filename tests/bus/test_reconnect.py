@@ -43,6 +43,25 @@ async def _restart(server: EmbeddedNats, bus: Bus, *, kill: bool = True) -> None
     assert bus.reconnects.count == before + 1
 
 
+async def _worker(bus: Bus, stream: str, subject: str, *, messages: int) -> Consumer[RunEvicted]:
+    """A stream holding ``messages`` RunEvicted events and its durable consumer ``worker``,
+    started and recovering on reconnects, as the trainer's rollouts consumer is."""
+    await bus.js.add_stream(name=stream, subjects=[subject])
+    consumer: Consumer[RunEvicted] = Consumer(
+        bus,
+        stream=stream,
+        durable="worker",
+        filter_subject=subject,
+        event_type=RunEvicted,
+        ack_wait=ACK_WAIT,
+    )
+    consumer.recover_on_reconnect()
+    await consumer.start()
+    for i in range(messages):
+        await bus.publish(subject, RunEvicted(run_id=f"run_{i}", idx=i, reason="r"))
+    return consumer
+
+
 async def test_a_request_lost_with_the_server_is_sent_again_on_the_reconnect(
     tmp_path: Path,
 ) -> None:
@@ -131,19 +150,7 @@ async def test_a_message_delivered_into_a_lost_connection_comes_back_at_once(
     thief = await Bus.connect(server.url, "thief", provision_streams=False)
     stream, subject = f"LOST_{uid}", f"lost.{uid}"
     try:
-        await bus.js.add_stream(name=stream, subjects=[subject])
-        consumer: Consumer[RunEvicted] = Consumer(
-            bus,
-            stream=stream,
-            durable="worker",
-            filter_subject=subject,
-            event_type=RunEvicted,
-            ack_wait=ACK_WAIT,
-        )
-        consumer.recover_on_reconnect()
-        await consumer.start()
-        for i in range(3):
-            await bus.publish(subject, RunEvicted(run_id=f"run_{i}", idx=i, reason="r"))
+        consumer = await _worker(bus, stream, subject, messages=3)
         ((_, kept),) = await consumer.fetch(batch=1, timeout=5.0)
         assert consumer.holding() == {kept.stream_sequence}
         lost = await thief.js.pull_subscribe(subject, durable="worker", stream=stream)
@@ -181,19 +188,7 @@ async def test_an_ack_the_restarted_server_forgot_comes_back_while_its_delivery_
     other = await Bus.connect(server.url, "other", provision_streams=False)
     stream, subject = f"FORGOT_{uid}", f"forgot.{uid}"
     try:
-        await bus.js.add_stream(name=stream, subjects=[subject])
-        consumer: Consumer[RunEvicted] = Consumer(
-            bus,
-            stream=stream,
-            durable="worker",
-            filter_subject=subject,
-            event_type=RunEvicted,
-            ack_wait=ACK_WAIT,
-        )
-        consumer.recover_on_reconnect()
-        await consumer.start()
-        for i in range(2):
-            await bus.publish(subject, RunEvicted(run_id=f"run_{i}", idx=i, reason="r"))
+        consumer = await _worker(bus, stream, subject, messages=2)
         ((_, in_hand),) = await consumer.fetch(batch=1, timeout=5.0)
         await in_hand.ack()
         assert consumer.holding() == set()
