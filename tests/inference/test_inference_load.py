@@ -150,6 +150,8 @@ async def _ask(bus: Bus, req: GenerateRequest) -> GenerateResponse:
 
 
 HELD_TOKENS = 200
+"""each held request's length: its 3 prompt tokens plus these must fit the tiny model's 256-token
+context, or the replica refuses it as invalid before it is ever held"""
 
 
 async def test_http_sampling_past_the_bound_is_refused_at_once_and_rollouts_never(
@@ -161,6 +163,9 @@ async def test_http_sampling_past_the_bound_is_refused_at_once_and_rollouts_neve
         for i in range(2)
     ]
     while replica.http_bound.requests < 2:
+        # one answered before both were held (refused, say) would leave this loop waiting for ever
+        early = [task.result() for task in held if task.done()]
+        assert not early, early
         await asyncio.sleep(0.005)
     refused = await _ask(bus, _request(f"{uid}-over", max_tokens=1))
     rollout = await _ask(bus, _request(f"{uid}-rollout", source="rollout", max_tokens=1))
