@@ -15,7 +15,8 @@
 #
 #   bash scripts/gpu_wheels.sh              # here, once: fills .whl/
 #   bash scripts/gpu_check.sh               # on the GPU machine (run tool, carry [".whl"])
-#   bash scripts/gpu_check.sh --cpu-smoke   # a rehearsal on a CPU: tiny shapes, seconds
+#   PYTHON=.venv/bin/python bash scripts/gpu_check.sh --cpu-smoke   # a rehearsal on a CPU:
+#                                           # tiny shapes, seconds ($PYTHON: python3 if unset)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
